@@ -1,0 +1,138 @@
+"""Advantage estimators: pure tensor functions (no Ray, no I/O).
+
+Shapes: B sequences, T response tokens. `rewards_BT` holds token-level rewards (the verifier's score
+sits on the last response token; a KL penalty, if applied in the reward, on every token); `mask_BT`
+is 1 on response tokens. Semantics follow the papers and verl's `core_algos.py`.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .masked import masked_whiten
+
+
+def _group_index(group_ids: Sequence) -> tuple[torch.Tensor, int]:
+    """Map arbitrary hashable group ids to 0..G-1."""
+    table: dict = {}
+    idx = torch.tensor([table.setdefault(g, len(table)) for g in group_ids], dtype=torch.long)
+    return idx, len(table)
+
+
+def grpo_advantages(scores_B: torch.Tensor, group_ids: Sequence, norm_by_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """GRPO outcome advantage (Shao et al. 2024, DeepSeekMath): (r - mean_group) / (std_group + eps).
+
+    The std is the unbiased one (torch.std), as in verl. A group of one sample gets mean 0 and std 1.
+    With `norm_by_std=False` this is Dr. GRPO (Liu et al. 2025): r - mean_group.
+    """
+    idx, G = _group_index(group_ids)
+    scores = scores_B.float()
+    adv = torch.empty_like(scores)
+    for g in range(G):
+        sel = idx == g
+        s = scores[sel]
+        if s.numel() == 1:
+            mean, std = torch.zeros(()), torch.ones(())
+        else:
+            mean, std = s.mean(), s.std()
+        adv[sel] = (s - mean) / (std + eps) if norm_by_std else s - mean
+    return adv
+
+
+def rloo_advantages(scores_B: torch.Tensor, group_ids: Sequence) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): r_i minus the mean of the other samples of its prompt,
+    i.e. n/(n-1) * (r_i - mean_group). A group of one sample keeps its raw score."""
+    idx, G = _group_index(group_ids)
+    scores = scores_B.float()
+    adv = scores.clone()
+    for g in range(G):
+        sel = idx == g
+        n = int(sel.sum())
+        if n > 1:
+            s = scores[sel]
+            adv[sel] = (s * n - s.sum()) / (n - 1)
+    return adv
+
+
+def discounted_returns(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1}, restarted after the last valid token of each row."""
+    returns = torch.zeros_like(rewards_BT, dtype=torch.float32)
+    running = torch.zeros(rewards_BT.shape[0])
+    for t in reversed(range(rewards_BT.shape[1])):
+        running = rewards_BT[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask_BT[:, t]
+    return returns
+
+
+def reinforce_pp_advantages(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): discounted token returns, whitened across the whole batch."""
+    returns = discounted_returns(rewards_BT, mask_BT, gamma)
+    return masked_whiten(returns, mask_BT) * mask_BT
+
+
+def gae_advantages(rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor,
+                   gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al. 2016). Returns (advantages_BT whitened over the batch, returns_BT = A + V).
+
+    delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = delta_t + gamma * lam * A_{t+1}; padding tokens carry
+    the next valid value and advantage through, as in verl.
+    """
+    B, T = rewards_BT.shape
+    next_value = torch.zeros(B)
+    last_gae = torch.zeros(B)
+    adv_rev = []
+    for t in reversed(range(T)):
+        m = mask_BT[:, t].float()
+        delta = rewards_BT[:, t] + gamma * next_value - values_BT[:, t]
+        gae_t = delta + gamma * lam * last_gae
+        next_value = values_BT[:, t] * m + (1 - m) * next_value
+        last_gae = gae_t * m + (1 - m) * last_gae
+        adv_rev.append(last_gae)
+    advantages = torch.stack(adv_rev[::-1], dim=1)
+    returns = advantages + values_BT
+    return masked_whiten(advantages, mask_BT) * mask_BT, returns
+
+
+# ---- registry: one calling convention for the controller ---------------------------------------
+AdvantageFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
+ADVANTAGES: dict[str, AdvantageFn] = {}
+
+
+def register(name: str):
+    def deco(fn):
+        ADVANTAGES[name] = fn
+        return fn
+    return deco
+
+
+@register("grpo")
+def _grpo(rewards_BT, mask_BT, *, group_ids, values_BT=None, cfg):
+    adv_B = grpo_advantages(rewards_BT.sum(-1), group_ids, norm_by_std=cfg.norm_adv_by_std)
+    return adv_B[:, None] * mask_BT, None
+
+
+@register("rloo")
+def _rloo(rewards_BT, mask_BT, *, group_ids, values_BT=None, cfg):
+    return rloo_advantages(rewards_BT.sum(-1), group_ids)[:, None] * mask_BT, None
+
+
+@register("reinforce_pp")
+def _reinforce_pp(rewards_BT, mask_BT, *, group_ids, values_BT=None, cfg):
+    return reinforce_pp_advantages(rewards_BT, mask_BT, cfg.gamma), None
+
+
+@register("gae")
+def _gae(rewards_BT, mask_BT, *, group_ids, values_BT=None, cfg):
+    if values_BT is None:
+        raise ValueError("algo.advantage=gae needs critic values; the critic role did not run")
+    return gae_advantages(rewards_BT, values_BT, mask_BT, cfg.gamma, cfg.lam)
+
+
+def compute_advantages(name: str, rewards_BT, mask_BT, *, group_ids, values_BT=None, cfg):
+    """(advantages_BT, returns_BT or None) with the estimator registered under `name`."""
+    if name not in ADVANTAGES:
+        raise KeyError(f"unknown advantage estimator '{name}'; known: {sorted(ADVANTAGES)}")
+    return ADVANTAGES[name](rewards_BT.float(), mask_BT.float(), group_ids=group_ids, values_BT=values_BT, cfg=cfg)

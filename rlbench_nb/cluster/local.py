@@ -1,0 +1,75 @@
+"""The `local` backend: every role in the controller's process (world size 1; pdb works).
+
+`WorkerGroup` is the controller's only handle on a role: N ranks of one worker class, with dispatch
+(broadcast, split-by-rank-and-concatenate, rank 0) and a record of each call for the phase timeline.
+Errors come back as `WorkerError` naming the role, rank and method.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..data.batch import Batch
+
+
+class WorkerError(RuntimeError):
+    """A worker call failed; `role`, `rank`, `method` say where, `__cause__` holds the original error."""
+
+    def __init__(self, role: str, rank: int, method: str, error: BaseException):
+        self.role, self.rank, self.method = role, rank, method
+        super().__init__(f"{role} rank {rank} failed in {method}(): {type(error).__name__}: {error}")
+
+
+@dataclass
+class CallRecord:
+    role: str
+    rank: int
+    method: str
+    start: float
+    end: float
+
+
+class LocalWorkerGroup:
+    """One rank of `worker_cls`, constructed in this process."""
+
+    def __init__(self, role: str, worker_cls, *args, **kwargs):
+        self.role = role
+        self.world_size = 1
+        self.records: list[CallRecord] = []
+        self.memory: dict[int, dict] = {}
+        self.workers = [self._run(0, "__init__", worker_cls, *args, **kwargs)]
+
+    def _run(self, rank: int, method: str, fn, *args, **kwargs) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise WorkerError(self.role, rank, method, e) from e
+        finally:
+            self.records.append(CallRecord(self.role, rank, method, start, time.perf_counter()))
+            del self.records[:-1000]  # bounded: the timeline shows recent steps only
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """Call `method` on every rank with the same arguments; a list of results by rank."""
+        return [self._run(r, method, getattr(w, method), *args, **kwargs) for r, w in enumerate(self.workers)]
+
+    def call_rank0(self, method: str, *args, **kwargs) -> Any:
+        return self._run(0, method, getattr(self.workers[0], method), *args, **kwargs)
+
+    def call_shards(self, method: str, batch: Batch, *args, **kwargs) -> list:
+        """Split `batch` by data-parallel rank and call each rank on its part; results by rank."""
+        parts = batch.chunk(self.world_size)
+        return [self._run(r, method, getattr(w, method), p, *args, **kwargs)
+                for r, (w, p) in enumerate(zip(self.workers, parts))]
+
+    def call_split(self, method: str, batch: Batch, *args, **kwargs) -> Batch:
+        """`call_shards`, with the ranks' result batches concatenated back in order."""
+        return Batch.cat(self.call_shards(method, batch, *args, **kwargs))
+
+    def refresh_memory(self) -> dict[int, dict]:
+        self.memory = dict(enumerate(self.call("memory")))
+        return self.memory
+
+    def close(self) -> None:
+        self.workers.clear()

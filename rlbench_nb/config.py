@@ -1,0 +1,281 @@
+"""Typed run configuration: every default lives here, with a one-line description.
+
+    cfg = Config.load("configs/arith_grpo.yaml", overrides=["algo.kl_coef=0.01"])
+    print(cfg)                 # the resolved YAML
+    cfg.save(run_dir / "config.yaml")
+
+Bad input (unknown key, wrong type, out-of-range value) raises `ConfigError` with one line that names
+the dotted key, the bad value and, for typos, the nearest valid key.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, explained in one line."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("run", description="Run name; the run directory is <dir>/<name> (a suffix is added if it exists).")
+    dir: str = Field("runs", description="Parent folder of run directories.")
+    seed: int = Field(0, description="Seed for data order, sampling and model init.")
+    steps: int = Field(400, ge=0, description="Training steps for `Session.run()` / `rlbench-nb train`.")
+    save_rollouts_every: int = Field(10, ge=0, description="Write rollouts/step_N.jsonl every K steps (0: never).")
+    checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every K steps during run() (0: only at the end).")
+    eval_every: int = Field(0, ge=0, description="Held-out greedy accuracy every K steps during run() (0: before and after only).")
+    tensorboard: bool = Field(True, description="Write TensorBoard event files into the run directory.")
+
+
+class ClusterConfig(_Section):
+    backend: Literal["local"] = Field(
+        "local", description="'local': every role runs in this process (world size 1, pdb works).")
+    num_threads: int = Field(0, ge=0, description="torch CPU threads per process (0: torch's default).")
+
+
+class TaskConfig(_Section):
+    name: Literal["arithmetic"] = Field("arithmetic", description="Built-in offline task: prompts, verifier, warm-start model.")
+    max_operand: int = Field(49, ge=1, le=9999, description="Operands are drawn from [0, max_operand].")
+    ops: str = Field("+", min_length=1, description="Operators to draw from, any of '+-*'.")
+    num_train: int = Field(2000, ge=1, description="Training prompts in the built-in split.")
+    num_test: int = Field(200, ge=1, description="Held-out prompts (never trained on, by SFT or RL).")
+    warm_start_steps: int = Field(250, ge=0, description="Supervised steps of the built-in warm start (cached).")
+    warm_start_lr: float = Field(3e-3, gt=0, description="Learning rate of the warm start.")
+    warm_start_batch: int = Field(64, ge=1, description="Batch size of the warm start.")
+
+    @model_validator(mode="after")
+    def _ops_known(self):
+        bad = sorted(set(self.ops) - set("+-*"))
+        if bad:
+            raise ValueError(f"unknown operator(s) {bad}; use any of '+-*'")
+        return self
+
+
+class ModelConfig(_Section):
+    path: Optional[str] = Field(None, description="Local Hugging Face model directory; null: the task's warm-started model.")
+    hidden_size: int = Field(128, ge=8, description="Built-in model: hidden size.")
+    num_layers: int = Field(4, ge=1, description="Built-in model: decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Built-in model: attention heads.")
+    intermediate_size: int = Field(256, ge=8, description="Built-in model: MLP width.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype of trainers and rollout.")
+
+
+class DataConfig(_Section):
+    train_path: Optional[str] = Field(None, description="JSONL or Parquet file of training prompts; null: the task's split.")
+    test_path: Optional[str] = Field(None, description="JSONL or Parquet file of held-out prompts; null: the task's split.")
+    prompt_key: str = Field("prompt", description="Row field holding the prompt text; other fields reach the reward function.")
+    max_prompt_len: int = Field(32, ge=1, description="Rows whose prompt has more tokens are skipped and reported.")
+    batch_size: int = Field(32, ge=1, description="Prompts per training step (each sampled rollout.n times).")
+    shuffle: bool = Field(True, description="Reshuffle the training prompts every epoch (seeded).")
+    chat_template: bool = Field(True, description="Wrap prompts with the tokenizer's chat template when it has one.")
+
+
+class RolloutConfig(_Section):
+    engine: Literal["hf"] = Field("hf", description="'hf': transformers generate with KV cache.")
+    n: int = Field(8, ge=1, description="Samples per prompt (the group size of GRPO/RLOO).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+    max_new_tokens: int = Field(8, ge=1, description="Response length cap; generation also stops at EOS.")
+    micro_batch_size: int = Field(512, ge=1, description="Sequences generated per generate() call.")
+
+
+class AlgoConfig(_Section):
+    advantage: Literal["grpo", "gae", "rloo", "reinforce_pp"] = Field(
+        "grpo", description="Advantage estimator: grpo (Shao et al. 2024), gae (Schulman et al. 2016; needs the critic), "
+        "rloo (Ahmadian et al. 2024), reinforce_pp (Hu 2025).")
+    norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group std; false is Dr. GRPO (Liu et al. 2025).")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE / REINFORCE++ discount.")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1 (epsilon_low).")
+    clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1 (epsilon_high; >clip_low is DAPO clip-higher).")
+    dual_clip: Optional[float] = Field(None, gt=1, description="Dual-clip constant c>1 for negative advantages (Ye et al. 2020); null: off.")
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
+        "token-mean", description="How per-token losses become one number (token-mean is DAPO's).")
+    kl_coef: float = Field(0.0, ge=0, description="KL(policy || reference) coefficient; 0 skips the reference model.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman 2020): k1 log-ratio, k2 squared, k3 low-variance.")
+    kl_in: Literal["loss", "reward"] = Field("loss", description="Apply KL as a loss term (GRPO) or as a per-token reward penalty (PPO/RLHF).")
+    kl_ctrl: Literal["fixed", "adaptive"] = Field("fixed", description="Fixed coefficient, or adaptive toward target_kl (Ziegler et al. 2019).")
+    target_kl: float = Field(0.1, gt=0, description="Adaptive KL controller target.")
+    kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
+    value_clip: float = Field(0.5, gt=0, description="Clipped value loss range (PPO).")
+    vf_coef: float = Field(0.5, ge=0, description="Value loss weight (reported; the critic has its own optimizer).")
+
+
+class TrainConfig(_Section):
+    lr: float = Field(1e-4, gt=0, description="Policy learning rate (AdamW).")
+    critic_lr: float = Field(1e-3, gt=0, description="Critic learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this.")
+    epochs: int = Field(1, ge=1, description="Passes over each batch (PPO epochs).")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per epoch: the batch is split into this many mini-batches.")
+    micro_batch_size: int = Field(256, ge=1, description="Sequences per forward/backward (gradient accumulation).")
+    critic_warmup: int = Field(0, ge=0, description="Steps that train only the critic (PPO).")
+
+
+class RewardConfig(_Section):
+    fn: str = Field("task", description="'task': the task's verifier; or 'module:function' / 'path/file.py:function'.")
+
+
+_SECTIONS = {
+    "run": RunConfig, "cluster": ClusterConfig, "task": TaskConfig, "model": ModelConfig, "data": DataConfig,
+    "rollout": RolloutConfig, "algo": AlgoConfig, "train": TrainConfig, "reward": RewardConfig,
+}
+
+
+class Config(_Section):
+    """The whole run. Sections mirror the package: run, cluster, task, model, data, rollout, algo, train, reward."""
+
+    run: RunConfig = Field(default_factory=RunConfig, description="Run directory, seed, cadence.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Where the role workers run.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="Built-in offline task.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt datasets.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
+    algo: AlgoConfig = Field(default_factory=AlgoConfig, description="RL algorithm.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.algo.advantage in ("grpo", "rloo") and self.rollout.n < 2:
+            raise ValueError(f"algo.advantage={self.algo.advantage} compares samples of one prompt: "
+                             "set rollout.n to 2 or more")
+        return self
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.algo.advantage == "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.algo.kl_coef > 0
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> "Config":
+        data = _deep_copy(data or {})
+        for item in overrides:
+            _apply_override(data, item)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(_one_line(e, data)) from None
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> "Config":
+        data: dict = {}
+        if path is not None:
+            path = Path(path)
+            if not path.exists():
+                raise ConfigError(f"config file not found: {path}")
+            try:
+                data = yaml.safe_load(path.read_text()) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+            if not isinstance(data, dict):
+                raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+        return cls.from_dict(data, overrides)
+
+    def override(self, *overrides: str) -> "Config":
+        """A new Config with dotted `key=value` overrides applied."""
+        return Config.from_dict(self.to_dict(), overrides)
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_yaml())
+
+    def __str__(self) -> str:
+        return self.to_yaml()
+
+    def _repr_html_(self) -> str:
+        from html import escape
+        return f"<pre style='font-size:12px'>{escape(self.to_yaml())}</pre>"
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def all_keys() -> list[str]:
+    """Every dotted key, e.g. 'algo.kl_coef'."""
+    return [f"{s}.{k}" for s, sec in _SECTIONS.items() for k in sec.model_fields]
+
+
+def help_text() -> str:
+    """One line per field: key, default, description. The CLI's --help prints this."""
+    lines = []
+    for s, sec in _SECTIONS.items():
+        lines.append(f"{s}:  {Config.model_fields[s].description}")
+        for k, f in sec.model_fields.items():
+            lines.append(f"  {s}.{k:<22} = {f.default!r:<14} {f.description}")
+    return "\n".join(lines)
+
+
+def _deep_copy(d):
+    return yaml.safe_load(yaml.safe_dump(d))
+
+
+def _nearest(key: str) -> str:
+    match = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+    if not match:  # a typo in the leaf alone: compare leaves
+        leaf = key.rsplit(".", 1)[-1]
+        leaves = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
+        m = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)
+        match = [leaves[m[0]]] if m else []
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _apply_override(data: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like key=value, e.g. algo.kl_coef=0.01")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    if len(parts) != 2 or parts[0] not in _SECTIONS:
+        raise ConfigError(f"unknown config key '{key}'{_nearest(key)}")
+    section, leaf = parts
+    if leaf not in _SECTIONS[section].model_fields:
+        raise ConfigError(f"unknown config key '{key}'{_nearest(key)}")
+    value = yaml.safe_load(raw) if raw.strip() else None
+    data.setdefault(section, {})
+    if not isinstance(data[section], dict):
+        raise ConfigError(f"config section '{section}' must be a mapping, got {data[section]!r}")
+    data[section][leaf] = value
+
+
+def _lookup(data: dict, loc: tuple) -> Any:
+    cur: Any = data
+    for p in loc:
+        if isinstance(cur, dict) and p in cur:
+            cur = cur[p]
+        else:
+            return "<missing>"
+    return cur
+
+
+def _one_line(err: ValidationError, data: dict) -> str:
+    first = err.errors()[0]
+    loc = tuple(p for p in first["loc"] if isinstance(p, str))
+    key = ".".join(loc) if loc else "<config>"
+    if first["type"] == "extra_forbidden":
+        return f"unknown config key '{key}'{_nearest(key)}"
+    msg = first["msg"].removeprefix("Value error, ")
+    if not loc:
+        return f"invalid config: {msg}"
+    value = _lookup(data, loc)
+    more = f" (and {len(err.errors()) - 1} more problem(s))" if len(err.errors()) > 1 else ""
+    return f"invalid value for '{key}': {value!r} — {msg}{more}"

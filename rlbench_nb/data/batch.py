@@ -1,0 +1,155 @@
+"""`Batch`: the one container that flows through rollout -> score -> prepare -> update.
+
+Tensors share the first dimension B (one row per sampled response); non-tensor fields (prompt text,
+answers, reward errors) ride along as lists of length B. A batch splits by data-parallel rank or
+micro-batch and concatenates back.
+
+    b = Batch({"x_B": torch.arange(4)}, {"prompt": list("abcd")})
+    left, right = b.chunk(2)
+    assert Batch.cat([left, right])["prompt"] == list("abcd")
+"""
+from __future__ import annotations
+
+from html import escape
+from typing import Any, Iterable, Sequence
+
+import torch
+
+# Fields shown in the text/HTML table, in this order, when present.
+_TABLE_FIELDS = ("prompt", "response", "answer", "score", "advantage", "response_len", "reward_error")
+
+
+class Batch:
+    def __init__(self, tensors: dict[str, torch.Tensor] | None = None, meta: dict[str, list] | None = None,
+                 info: dict[str, Any] | None = None):
+        self.tensors: dict[str, torch.Tensor] = dict(tensors or {})
+        self.meta: dict[str, list] = {k: list(v) for k, v in (meta or {}).items()}
+        self.info: dict[str, Any] = dict(info or {})  # batch-level facts: step, phase timings
+        self._check()
+
+    def _check(self) -> None:
+        sizes = {k: v.shape[0] for k, v in self.tensors.items()} | {k: len(v) for k, v in self.meta.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"batch fields disagree on the batch size: {sizes}")
+
+    def __len__(self) -> int:
+        for v in self.tensors.values():
+            return v.shape[0]
+        for v in self.meta.values():
+            return len(v)
+        return 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors or key in self.meta
+
+    def __getitem__(self, key: str):
+        if key in self.tensors:
+            return self.tensors[key]
+        if key in self.meta:
+            return self.meta[key]
+        raise KeyError(f"batch has no field '{key}'; it has {self.keys()}")
+
+    def __setitem__(self, key: str, value) -> None:
+        if torch.is_tensor(value):
+            self.meta.pop(key, None)
+            self.tensors[key] = value
+        else:
+            self.tensors.pop(key, None)
+            self.meta[key] = list(value)
+        self._check()
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self else default
+
+    def keys(self) -> list[str]:
+        return list(self.tensors) + list(self.meta)
+
+    # ---- split / join ---------------------------------------------------------------------------
+    def select(self, index: Sequence[int] | torch.Tensor) -> "Batch":
+        idx = torch.as_tensor(index, dtype=torch.long)
+        ids = idx.tolist()
+        return Batch({k: v[idx] for k, v in self.tensors.items()},
+                     {k: [v[i] for i in ids] for k, v in self.meta.items()}, self.info)
+
+    def slice(self, start: int, stop: int) -> "Batch":
+        return Batch({k: v[start:stop] for k, v in self.tensors.items()},
+                     {k: v[start:stop] for k, v in self.meta.items()}, self.info)
+
+    def chunk(self, n: int) -> list["Batch"]:
+        """n contiguous parts whose sizes differ by at most one (the first ones larger)."""
+        size, extra = divmod(len(self), n)
+        bounds, start = [], 0
+        for i in range(n):
+            stop = start + size + (1 if i < extra else 0)
+            bounds.append((start, stop))
+            start = stop
+        return [self.slice(a, b) for a, b in bounds]
+
+    def split(self, size: int) -> list["Batch"]:
+        """Consecutive parts of at most `size` rows."""
+        return [self.slice(i, min(i + size, len(self))) for i in range(0, len(self), size)]
+
+    @staticmethod
+    def cat(batches: Iterable["Batch"]) -> "Batch":
+        batches = [b for b in batches if len(b) or b.keys()]
+        if not batches:
+            return Batch()
+        first = batches[0]
+        for b in batches[1:]:
+            if set(b.keys()) != set(first.keys()):
+                raise ValueError(f"cannot concatenate batches with different fields: {first.keys()} vs {b.keys()}")
+        tensors = {k: torch.cat([b.tensors[k] for b in batches]) for k in first.tensors}
+        meta = {k: [x for b in batches for x in b.meta[k]] for k in first.meta}
+        return Batch(tensors, meta, first.info)
+
+    def update(self, other: "Batch | dict") -> "Batch":
+        """Add or replace fields in place from another batch or dict of the same length; returns self."""
+        items = other.tensors | other.meta if isinstance(other, Batch) else other
+        for k, v in items.items():
+            self[k] = v
+        return self
+
+    def to(self, device) -> "Batch":
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.meta, self.info)
+
+    # ---- looking at it --------------------------------------------------------------------------
+    def rows(self, fields: Sequence[str] | None = None) -> list[dict]:
+        """One dict per sample of the scalar-per-row fields: what the inspector and rollout files show."""
+        fields = fields or [f for f in _TABLE_FIELDS if f in self] + \
+            [k for k in self.meta if k not in _TABLE_FIELDS]
+        out = []
+        for i in range(len(self)):
+            row = {}
+            for f in fields:
+                v = self[f][i]
+                row[f] = v.item() if torch.is_tensor(v) and v.numel() == 1 else v
+            out.append(row)
+        return out
+
+    def _summary(self) -> str:
+        shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in self.tensors.items())
+        return f"Batch({len(self)} rows; tensors: {shapes}; fields: {', '.join(self.meta)})"
+
+    def __repr__(self) -> str:
+        lines = [self._summary()]
+        for row in self.rows()[:8]:
+            lines.append("  " + "  ".join(f"{k}={_short(v)}" for k, v in row.items()))
+        if len(self) > 8:
+            lines.append(f"  ... {len(self) - 8} more")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        rows = self.rows()[:20]
+        if not rows:
+            return f"<code>{escape(self._summary())}</code>"
+        head = "".join(f"<th>{escape(k)}</th>" for k in rows[0])
+        body = "".join("<tr>" + "".join(f"<td>{escape(_short(v, 60))}</td>" for v in r.values()) + "</tr>"
+                       for r in rows)
+        more = f"<div>… {len(self) - 20} more rows</div>" if len(self) > 20 else ""
+        return (f"<div><code>{escape(self._summary())}</code><table style='font-size:12px'>"
+                f"<tr>{head}</tr>{body}</table>{more}</div>")
+
+
+def _short(v, width: int = 24) -> str:
+    s = f"{v:.3g}" if isinstance(v, float) else repr(v) if isinstance(v, str) else str(v)
+    return s if len(s) <= width else s[: width - 1] + "…"

@@ -1,0 +1,26 @@
+"""Built-in offline tasks: everything needed to train with no download."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ...config import Config
+
+
+@dataclass
+class Task:
+    name: str
+    model_dir: Path          # tokenizer + (warm-started) model, loadable with from_pretrained
+    train_rows: list[dict]
+    test_rows: list[dict]
+    verifier: Callable[..., float]
+
+
+def load_task(cfg: Config) -> Task:
+    from . import arithmetic
+    from .warm_start import warm_started_model_dir
+
+    train, test = arithmetic.make_split(cfg.task)
+    model_dir = Path(cfg.model.path) if cfg.model.path else warm_started_model_dir(cfg.task, cfg.model, train)
+    return Task(cfg.task.name, model_dir, train, test, arithmetic.verify)

@@ -1,0 +1,70 @@
+"""The built-in offline task: integer arithmetic with a verifier.
+
+Everything the demo, notebooks and tests need is made here, with no download: a character-level
+tokenizer (built with `tokenizers`, saved and loaded through `AutoTokenizer`), a small Llama-style
+model from a `transformers` config, a deterministic train/test split of prompts such as "37+45=",
+and a verifier that gives 1.0 for the exact answer. RL from a random init cannot learn arithmetic,
+so `warm_start.py` supervises the model briefly first, like an instruct model before RL.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from ...config import ModelConfig, TaskConfig
+
+CHARS = "0123456789+-*= "
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+# The split does not depend on run.seed: every run, with any seed, is evaluated on the same held-out prompts.
+_SPLIT_SEED = 1234
+
+
+def make_tokenizer(path: str | Path):
+    """Build the character tokenizer and save it to `path`; returns it loaded through AutoTokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   padding_side="left")
+    fast.save_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def make_model(cfg: ModelConfig, vocab_size: int, seed: int):
+    """A small Llama from a config (random init, seeded)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    mcfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(mcfg)
+
+
+def _answer(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def make_split(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
+    """(train_rows, test_rows), each row {"prompt": "37+45=", "answer": "82"}; disjoint and deterministic."""
+    problems = [(a, op, b) for op in cfg.ops for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)]
+    need = cfg.num_train + cfg.num_test
+    if need > len(problems):
+        raise ValueError(f"task.num_train + task.num_test = {need} but only {len(problems)} distinct problems exist "
+                         f"with task.max_operand={cfg.max_operand}, task.ops='{cfg.ops}': lower them")
+    random.Random(_SPLIT_SEED).shuffle(problems)
+    rows = [{"prompt": f"{a}{op}{b}=", "answer": str(_answer(a, op, b))} for a, op, b in problems[:need]]
+    return rows[: cfg.num_train], rows[cfg.num_train:]
+
+
+def verify(prompt: str, response: str, answer: str, **_) -> float:
+    """1.0 when the response (up to EOS, spaces ignored) is exactly the answer, else 0.0."""
+    return 1.0 if response.strip() == str(answer).strip() else 0.0

@@ -1,0 +1,84 @@
+"""Helpers every role shares: device choice, model loading, token log-probs, memory, RNG state."""
+from __future__ import annotations
+
+import os
+import random
+import resource
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def pick_device() -> torch.device:
+    """CUDA when present, else CPU; no code path assumes either."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_causal_lm(path: str, dtype: str, device: torch.device):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    return model.to(device)
+
+
+def read_safetensors(path, device) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return load_file(str(path), device=str(device))
+
+
+def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy `state` into `model` in place. Keys may be missing only for weights tied to a loaded one
+    (HF drops `lm_head.weight` when it is the embedding); anything else is an error."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    loaded_ptrs = {p.data_ptr() for k, p in model.state_dict().items() if k in state}
+    really_missing = [k for k in missing if model.state_dict()[k].data_ptr() not in loaded_ptrs]
+    if unexpected or really_missing:
+        raise ValueError(f"weights do not fit the model: missing {really_missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def full_sequences(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded prompt + right-padded response -> (input_ids, attention_mask, position_ids), each [B, P+R]."""
+    ids = torch.cat([batch["prompt_ids_BP"], batch["response_ids_BR"]], dim=1)
+    mask = torch.cat([batch["prompt_mask_BP"], batch["response_mask_BR"]], dim=1)
+    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, position_ids
+
+
+def response_hidden_slice(batch) -> slice:
+    """Positions whose outputs predict the response tokens: P-1 .. P+R-2."""
+    P, R = batch["prompt_ids_BP"].shape[1], batch["response_ids_BR"].shape[1]
+    return slice(P - 1, P + R - 1)
+
+
+def token_logprobs(logits_BRV: torch.Tensor, ids_BR: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[id] per position, in fp32."""
+    logits = logits_BRV.float()
+    return logits.gather(-1, ids_BR.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+
+
+def memory_snapshot() -> dict:
+    """Process RSS now and at peak (GB), and CUDA allocated/peak when a GPU is present."""
+    snap = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            snap["rss_gb"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        snap["gpu_alloc_gb"] = torch.cuda.memory_allocated() / 2**30
+        snap["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return snap
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

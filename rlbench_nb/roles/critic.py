@@ -1,0 +1,98 @@
+"""Critic worker (PPO): a value head on the policy's backbone, trained with the clipped value loss."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..algos import agg_loss, value_loss
+from ..config import Config
+from ..data.batch import Batch
+from .common import (DTYPES, full_sequences, load_weights, memory_snapshot, pick_device, read_safetensors,
+                     response_hidden_slice)
+
+
+class ValueModel(nn.Module):
+    """Backbone of a causal LM (initialised from the policy, as is usual) + a scalar head per position."""
+
+    def __init__(self, model_dir: str, dtype: str):
+        super().__init__()
+        from transformers import AutoModel
+        self.backbone = AutoModel.from_pretrained(model_dir, dtype=DTYPES[dtype])
+        self.head = nn.Linear(self.backbone.config.hidden_size, 1, dtype=DTYPES[dtype])
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        return self.head(h).squeeze(-1).float()
+
+
+class CriticWorker:
+    role = "critic"
+
+    def __init__(self, cfg: Config, model_dir: str):
+        self.cfg = cfg
+        self.device = pick_device()
+        self.model = ValueModel(model_dir, cfg.model.dtype).to(self.device)
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.critic_lr, betas=t.betas,
+                                           weight_decay=t.weight_decay)
+
+    def _values(self, batch: Batch) -> torch.Tensor:
+        ids, mask, pos = (x.to(self.device) for x in full_sequences(batch))
+        return self.model(ids, mask, pos)[:, response_hidden_slice(batch)]
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> Batch:
+        """{"values_BR": V(s_t) before each response token}, zeroed on padding."""
+        parts = [(self._values(mb).cpu() * mb["response_mask_BR"]) for mb in batch.split(self.cfg.train.micro_batch_size)]
+        return Batch({"values_BR": torch.cat(parts)})
+
+    def update(self, batch: Batch) -> dict:
+        a, t = self.cfg.algo, self.cfg.train
+        totals: dict[str, float] = {}
+        n = 0
+        for _ in range(t.epochs):
+            for mini in batch.chunk(t.mini_batches):
+                counts = {"num_tokens": mini["response_mask_BR"].float().sum(), "num_seqs": float(len(mini))}
+                self.optimizer.zero_grad(set_to_none=True)
+                loss_sum, clip_sum = 0.0, 0.0
+                for mb in mini.split(t.micro_batch_size):
+                    mask = mb["response_mask_BR"].float().to(self.device)
+                    vl_BR, st = value_loss(self._values(mb), mb["values_BR"].to(self.device),
+                                           mb["returns_BR"].to(self.device), mask, a.value_clip)
+                    loss = agg_loss(vl_BR, mask, a.loss_agg, **counts)
+                    if not torch.isfinite(loss):
+                        self.optimizer.zero_grad(set_to_none=True)
+                        break
+                    loss.backward()
+                    loss_sum += loss.item()
+                    clip_sum += st["vf_clip_frac"] * (mask.sum() / counts["num_tokens"]).item()
+                else:
+                    gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+                    if math.isfinite(gn.item()):
+                        self.optimizer.step()
+                        n += 1
+                        for k, v in {"loss/value": loss_sum, "critic/vf_clip_frac": clip_sum,
+                                     "critic/grad_norm": gn.item()}.items():
+                            totals[k] = totals.get(k, 0.0) + v
+        return {k: v / max(n, 1) for k, v in totals.items()}
+
+    def save(self, path: str) -> None:
+        from safetensors.torch import save_file
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.model.state_dict().items()}, str(path / "value_model.safetensors"))
+        torch.save({"optimizer": self.optimizer.state_dict()}, path / "trainer_state.pt")
+
+    def load(self, path: str) -> None:
+        path = Path(path)
+        load_weights(self.model, read_safetensors(path / "value_model.safetensors", self.device))
+        extra = torch.load(path / "trainer_state.pt", map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(extra["optimizer"])
+
+    def memory(self) -> dict:
+        return memory_snapshot()

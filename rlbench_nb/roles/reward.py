@@ -1,0 +1,83 @@
+"""Reward worker: runs a rule function per sample and never lets one bad sample stop the step.
+
+A reward function is `fn(prompt: str, response: str, **row_fields) -> float` (row fields such as
+`answer` come from the dataset). If it raises, or returns NaN, None or a non-number, that sample
+scores 0 and carries the error text in `reward_error`; the count is the `reward/errors` metric.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..data.batch import Batch
+from .common import memory_snapshot
+
+RewardFn = Callable[..., float]
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """'module:function' or 'path/to/file.py:function' -> the function."""
+    if ":" not in spec:
+        raise ValueError(f"reward.fn='{spec}' must be 'task', 'module:function' or 'path/file.py:function'")
+    where, name = spec.rsplit(":", 1)
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.exists():
+                raise FileNotFoundError(f"file {path} does not exist")
+            mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        fn = getattr(module, name)
+    except (ImportError, AttributeError, FileNotFoundError) as e:
+        raise ValueError(f"reward.fn='{spec}' could not be loaded: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"reward.fn='{spec}' is not callable")
+    return fn
+
+
+def _fn_name(fn) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+class RewardWorker:
+    role = "reward"
+
+    def __init__(self, fn: RewardFn):
+        self.fn = fn
+
+    def set_fn(self, fn: RewardFn) -> None:
+        self.fn = fn
+
+    def score(self, batch: Batch, skip: tuple[str, ...] = ("prompt", "response", "group")) -> Batch:
+        """{"scores_B": float tensor, "reward_error": [str | None]} for the batch's rows."""
+        extra_keys = [k for k in batch.meta if k not in skip and k != "reward_error"]
+        scores, errors = [], []
+        for i in range(len(batch)):
+            prompt, response = batch["prompt"][i], batch["response"][i]
+            extra = {k: batch.meta[k][i] for k in extra_keys}
+            try:
+                value = self.fn(prompt, response, **extra)
+                if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                    raise TypeError(f"returned {type(value).__name__} {value!r}, expected a float")
+                value = float(value)
+                if not math.isfinite(value):
+                    raise ValueError(f"returned {value}")
+                scores.append(value)
+                errors.append(None)
+            except Exception as e:  # one bad sample must not stop the step
+                scores.append(0.0)
+                errors.append(f"reward function '{_fn_name(self.fn)}' {type(e).__name__} on sample {i} "
+                              f"(prompt {prompt[:40]!r}): {e}")
+        return Batch({"scores_B": torch.tensor(scores, dtype=torch.float32)}, {"reward_error": errors})
+
+    def memory(self) -> dict:
+        return memory_snapshot()

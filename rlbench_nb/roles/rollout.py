@@ -1,0 +1,78 @@
+"""Rollout engine on Hugging Face `transformers` generate (KV cache): the CPU default.
+
+Input: a Batch of left-padded prompts (`prompt_ids_BP`, `prompt_mask_BP`). Output: right-padded
+responses (`response_ids_BR`, `response_mask_BR` = tokens up to and including the first EOS) and the
+sampled tokens' log-probs under the sampling distribution (`rollout_logprobs_BR`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import Config, RolloutConfig
+from ..data.batch import Batch
+from .common import load_causal_lm, load_weights, memory_snapshot, pick_device, rng_state, set_rng_state
+
+
+class HFRolloutWorker:
+    role = "rollout"
+
+    def __init__(self, cfg: Config, model_dir: str, eos_token_id: int, pad_token_id: int):
+        self.cfg = cfg
+        self.device = pick_device()
+        self.model = load_causal_lm(model_dir, cfg.model.dtype, self.device)
+        self.model.requires_grad_(False)
+        self.model.eval()
+        self.eos, self.pad = eos_token_id, pad_token_id
+        self.weight_version = 0
+
+    @torch.no_grad()
+    def generate(self, batch: Batch, params: RolloutConfig | None = None) -> Batch:
+        """Sample one response per row (rows are already repeated n times per prompt)."""
+        p = params or self.cfg.rollout
+        parts = [self._generate(mb, p) for mb in batch.split(p.micro_batch_size)]
+        width = max(x["response_ids_BR"].shape[1] for x in parts)
+        for x in parts:  # micro-batches may stop at different lengths: pad to one width
+            pad = width - x["response_ids_BR"].shape[1]
+            if pad:
+                x["response_ids_BR"] = torch.nn.functional.pad(x["response_ids_BR"], (0, pad), value=self.pad)
+                x["response_mask_BR"] = torch.nn.functional.pad(x["response_mask_BR"], (0, pad), value=0)
+                x["rollout_logprobs_BR"] = torch.nn.functional.pad(x["rollout_logprobs_BR"], (0, pad), value=0.0)
+        return Batch.cat(parts)
+
+    def _generate(self, batch: Batch, p: RolloutConfig) -> Batch:
+        from transformers import GenerationConfig
+        greedy = p.temperature == 0
+        gen_cfg = GenerationConfig(
+            do_sample=not greedy, temperature=None if greedy else p.temperature,
+            top_p=None if greedy else p.top_p, top_k=None if greedy else p.top_k,
+            max_new_tokens=p.max_new_tokens, eos_token_id=self.eos, pad_token_id=self.pad,
+            return_dict_in_generate=True, output_scores=True)
+        ids = batch["prompt_ids_BP"].to(self.device)
+        mask = batch["prompt_mask_BP"].to(self.device)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
+        resp = out.sequences[:, ids.shape[1]:]
+        scores = torch.stack(out.scores, dim=1).float()  # processed logits the sampler drew from: [B, R, V]
+        logprobs = scores.log_softmax(-1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+        is_eos = resp == self.eos
+        after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+        resp_mask = (~after_eos).long()
+        resp = resp.masked_fill(after_eos, self.pad)
+        logprobs = torch.nan_to_num(logprobs * resp_mask, neginf=0.0)
+        return Batch({"response_ids_BR": resp.cpu(), "response_mask_BR": resp_mask.cpu(),
+                      "rollout_logprobs_BR": logprobs.cpu()})
+
+    def set_weights(self, state: dict[str, torch.Tensor], version: int) -> dict:
+        """Load new policy weights in place; returns bytes moved."""
+        load_weights(self.model, {k: v.to(self.device) for k, v in state.items()})
+        self.weight_version = version
+        return {"bytes": sum(v.numel() * v.element_size() for v in state.values())}
+
+    def get_state(self) -> dict:
+        return {"rng": rng_state(), "weight_version": self.weight_version}
+
+    def set_state(self, state: dict) -> None:
+        set_rng_state(state["rng"])
+        self.weight_version = state["weight_version"]
+
+    def memory(self) -> dict:
+        return memory_snapshot()

@@ -1,0 +1,432 @@
+"""The single controller: phases as method calls on persistent role workers.
+
+    sess = Session(Config.load("configs/arith_grpo.yaml"))
+    batch = sess.rollout()          # generate: prompts x rollout.n responses
+    batch = sess.score(batch)       # rewards (scores_B, reward_error)
+    batch = sess.prepare(batch)     # old/ref log-probs, values, KL, advantages
+    stats = sess.update(batch)      # optimizer step(s); weights pushed to the rollout engine
+    sess.run(steps=50)              # the same four phases in a loop, with a progress bar
+    sess.save("step_50"); sess2 = Session.load(sess.run_dir / "checkpoints" / "step_50")
+
+Phase order lives only here. Each phase's metrics ride on `batch.info["metrics"]`; `update()` ends
+the step: it writes one metrics row (JSONL, TensorBoard, `sess.history`) for the batch it trained on.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import checkpoint
+from .algos import apply_kl_penalty, compute_advantages, kl_penalty, make_kl_controller, masked_mean
+from .cluster import make_group
+from .config import Config
+from .data.batch import Batch
+from .data.datasets import PromptDataset, PromptSampler, read_rows, validate_rows
+from .data.tasks import load_task
+from .metrics import JSONLSink, TensorBoardSink, read_jsonl
+from .roles import CriticWorker, HFRolloutWorker, PolicyWorker, ReferenceWorker, RewardWorker, load_reward_fn
+
+log = logging.getLogger(__name__)
+
+
+class _hybridmethod:
+    """`Session.load(path)` builds a new session; `sess.load(name)` restores into this one."""
+
+    def __init__(self, cls_fn, inst_fn):
+        self.cls_fn, self.inst_fn = cls_fn, inst_fn
+
+    def __get__(self, obj, cls):
+        return self.cls_fn.__get__(cls, cls) if obj is None else self.inst_fn.__get__(obj, cls)
+
+
+class Session:
+    def __init__(self, cfg: Config | str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                 run_dir: str | Path | None = None):
+        if cfg is None or isinstance(cfg, (str, Path)):
+            cfg = Config.load(cfg, overrides)
+        elif overrides:
+            cfg = cfg.override(*overrides)
+        self.cfg = cfg
+        if cfg.cluster.num_threads:
+            torch.set_num_threads(cfg.cluster.num_threads)
+        torch.manual_seed(cfg.run.seed)
+        random.seed(cfg.run.seed)
+        self.task = load_task(cfg)
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.task.model_dir))
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.train_data = self._dataset(cfg.data.train_path, self.task.train_rows, "train")
+        self.test_data = self._dataset(cfg.data.test_path, self.task.test_rows, "test")
+        self.sampler = PromptSampler(len(self.train_data), cfg.data.batch_size, cfg.run.seed, cfg.data.shuffle)
+        self._reward_fn = self.task.verifier if cfg.reward.fn == "task" else load_reward_fn(cfg.reward.fn)
+
+        self.run_dir = Path(run_dir) if run_dir else _fresh_run_dir(cfg)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.save(self.run_dir / "config.yaml")
+
+        model_dir = str(self.task.model_dir)
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        self.groups = {"policy": make_group(cfg, "policy", PolicyWorker, cfg, model_dir),
+                       "rollout": make_group(cfg, "rollout", HFRolloutWorker, cfg, model_dir, eos, pad),
+                       "reward": make_group(cfg, "reward", RewardWorker, self._reward_fn)}
+        if cfg.uses_reference:
+            self.groups["reference"] = make_group(cfg, "reference", ReferenceWorker, cfg, model_dir)
+        if cfg.uses_critic:
+            self.groups["critic"] = make_group(cfg, "critic", CriticWorker, cfg, model_dir)
+
+        self.kl_ctrl = make_kl_controller(cfg.algo)
+        self.step_count = 0
+        self.history: list[dict] = []
+        self.evals: list[dict] = []
+        self._sinks: list = []
+        self._open_sinks()
+        self.state = "ready"
+
+    def _open_sinks(self) -> None:
+        self._sinks = [JSONLSink(self.run_dir / "metrics.jsonl")]
+        if self.cfg.run.tensorboard:
+            self._sinks.append(TensorBoardSink(self.run_dir / "tb"))
+
+    # ---- data -----------------------------------------------------------------------------------
+    def _dataset(self, path: str | None, builtin: list[dict], split: str) -> PromptDataset:
+        d = self.cfg.data
+        if path:
+            numbered, problems = read_rows(path)
+            source = str(path)
+        else:
+            numbered, problems, source = list(enumerate(builtin)), [], f"{self.cfg.task.name}/{split}"
+        return validate_rows(numbered, d.prompt_key, d.max_prompt_len,
+                             lambda p: len(self._prompt_ids(p)), source, problems)
+
+    def _prompt_ids(self, prompt: str) -> list[int]:
+        tok = self.tokenizer
+        if self.cfg.data.chat_template and getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True)
+            return tok(text, add_special_tokens=False)["input_ids"]
+        return tok(prompt)["input_ids"]
+
+    def _encode(self, rows: list[dict], n: int, tag: str) -> Batch:
+        """Rows repeated n times, prompts tokenised and left-padded; extra row fields ride along."""
+        ids = [self._prompt_ids(r["prompt"]) for r in rows for _ in range(n)]
+        width = max(map(len, ids))
+        pad = self.tokenizer.pad_token_id
+        prompt_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+        prompt_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        meta = {"prompt": [r["prompt"] for r in rows for _ in range(n)],
+                "group": [f"{tag}-{i}" for i in range(len(rows)) for _ in range(n)]}
+        for key in {k for r in rows for k in r} - {"prompt"}:
+            meta[key] = [r.get(key) for r in rows for _ in range(n)]
+        return Batch({"prompt_ids_BP": prompt_ids, "prompt_mask_BP": prompt_mask}, meta)
+
+    # ---- phases ---------------------------------------------------------------------------------
+    def rollout(self, rows: list[dict] | None = None) -> Batch:
+        """Generate `rollout.n` responses for each of the next `data.batch_size` training prompts (or `rows`)."""
+        if rows is None:
+            rows = [self.train_data.rows[i] for i in self.sampler.next_indices()]
+        batch = self._encode(rows, self.cfg.rollout.n, tag=f"s{self.step_count}")
+        t0 = time.perf_counter()
+        batch.update(self.groups["rollout"].call_split("generate", batch))
+        dt = time.perf_counter() - t0
+        self._decode(batch)
+        lens = batch["response_mask_BR"].sum(-1).float()
+        batch.info = {"step": self.step_count, "metrics": {
+            "time/rollout_s": dt,
+            "throughput/rollout_tok_s": lens.sum().item() / max(dt, 1e-9),
+            "response_len/mean": lens.mean().item(), "response_len/max": lens.max().item(),
+            "response_len/min": lens.min().item(),
+            "response_len/clip_frac": (lens >= self.cfg.rollout.max_new_tokens).float().mean().item()}}
+        return batch
+
+    def _decode(self, batch: Batch) -> None:
+        ids, mask = batch["response_ids_BR"], batch["response_mask_BR"]
+        batch["response"] = [self.tokenizer.decode(ids[i][mask[i].bool()].tolist(), skip_special_tokens=True)
+                             for i in range(len(batch))]
+        batch["response_len_B"] = mask.sum(-1)
+
+    def score(self, batch: Batch) -> Batch:
+        """Rewards: `scores_B`, per-sample `reward_error`, and `token_rewards_BR` (score on the last token)."""
+        t0 = time.perf_counter()
+        batch.update(self.groups["reward"].call_split("score", batch))
+        scores, mask = batch["scores_B"], batch["response_mask_BR"]
+        last = (mask.sum(-1) - 1).clamp(min=0)
+        token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
+        token_rewards[torch.arange(len(batch)), last] = scores
+        batch["token_rewards_BR"] = token_rewards
+        errors = [e for e in batch["reward_error"] if e]
+        if errors:
+            log.warning("%d reward error(s) this step; first: %s", len(errors), errors[0])
+        batch.info.setdefault("metrics", {}).update({
+            "time/score_s": time.perf_counter() - t0,
+            "reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
+            "reward/min": scores.min().item(), "reward/max": scores.max().item(), "reward/errors": len(errors)})
+        return batch
+
+    def prepare(self, batch: Batch) -> Batch:
+        """Old log-probs (policy), reference log-probs and KL, values (critic), advantages and returns."""
+        a = self.cfg.algo
+        t0 = time.perf_counter()
+        batch.update(self.groups["policy"].call_split("compute_logprobs", batch))
+        mask = batch["response_mask_BR"].float()
+        m = batch.info.setdefault("metrics", {})
+        rewards = batch["token_rewards_BR"]
+        if "reference" in self.groups:
+            batch.update(self.groups["reference"].call_split("compute_logprobs", batch))
+            kl = kl_penalty(batch["old_logprobs_BR"], batch["ref_logprobs_BR"], a.kl_estimator)
+            m["kl/ref"] = masked_mean(kl, mask).item()
+            m["kl/coef"] = self.kl_ctrl.value
+            if a.kl_in == "reward":
+                rewards, current = apply_kl_penalty(rewards, batch["old_logprobs_BR"], batch["ref_logprobs_BR"],
+                                                    mask, self.kl_ctrl.value, a.kl_estimator)
+            else:
+                current = masked_mean(kl, mask, dim=-1).mean().item()
+            self.kl_ctrl.update(current, n_steps=len(batch))
+        if "critic" in self.groups:
+            batch.update(self.groups["critic"].call_split("compute_values", batch))
+            m["critic/values_mean"] = masked_mean(batch["values_BR"], mask).item()
+        adv, returns = compute_advantages(a.advantage, rewards, mask, group_ids=batch["group"],
+                                          values_BT=batch.get("values_BR"), cfg=a)
+        batch["advantages_BR"] = adv
+        if returns is not None:
+            batch["returns_BR"] = returns
+        batch["advantage"] = [float(x) for x in (adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)]
+        dt = time.perf_counter() - t0
+        m.update({"time/prepare_s": dt, "advantage/mean": masked_mean(adv, mask).item(),
+                  "advantage/abs_max": (adv.abs() * mask).max().item(),
+                  "throughput/prepare_tok_s": _total_tokens(batch) / max(dt, 1e-9)})
+        return batch
+
+    def update(self, batch: Batch) -> dict:
+        """Critic and policy optimizer steps on `batch`, then weights to the rollout engine. Ends the step."""
+        if "advantages_BR" not in batch:
+            raise ValueError("update(batch) needs a prepared batch: call sess.prepare(sess.score(batch)) first")
+        m = dict(batch.info.get("metrics", {}))
+        t0 = time.perf_counter()
+        if "critic" in self.groups:
+            m.update(_mean_over_ranks(self.groups["critic"].call_shards("update", batch)))
+        if self.step_count >= self.cfg.train.critic_warmup:
+            m.update(_mean_over_ranks(self.groups["policy"].call_shards("update", batch, self.kl_ctrl.value)))
+            m.update(self.sync_weights())
+        dt = time.perf_counter() - t0
+        m["time/update_s"] = dt
+        m["throughput/update_tok_s"] = _total_tokens(batch) * self.cfg.train.epochs / max(dt, 1e-9)
+        for role, group in self.groups.items():
+            mem = group.refresh_memory()
+            m[f"memory/{role}_peak_gb"] = max(v["peak_rss_gb"] for v in mem.values())
+        m["time/step_s"] = sum(m.get(f"time/{p}_s", 0.0) for p in ("rollout", "score", "prepare", "update"))
+        self.step_count += 1
+        self._log(m)
+        k = self.cfg.run.save_rollouts_every
+        if k and self.step_count % k == 0:
+            self.save_rollouts(batch)
+        return m
+
+    def sync_weights(self) -> dict:
+        """Push the policy's full weights to every rollout rank; bytes and seconds are metrics."""
+        t0 = time.perf_counter()
+        weights = self.groups["policy"].call_rank0("get_weights")
+        res = self.groups["rollout"].call("set_weights", weights, self.step_count + 1)
+        return {"sync/s": time.perf_counter() - t0, "sync/bytes": sum(r["bytes"] for r in res)}
+
+    def step(self) -> dict:
+        """One iteration: rollout -> score -> prepare -> update. Returns the step's metrics row."""
+        return self.update(self.prepare(self.score(self.rollout())))
+
+    def run(self, steps: int | None = None, progress: bool = True) -> dict:
+        """`steps` iterations (default run.steps) with a progress bar; held-out accuracy before and after.
+
+        Writes `summary.json` into the run directory and returns it.
+        """
+        from tqdm.auto import tqdm
+        steps = self.cfg.run.steps if steps is None else steps
+        t0 = time.time()
+        self.state = "running"
+        try:
+            if not self.evals:
+                self.evaluate()
+            before = self.evals[0]
+            bar = tqdm(total=steps, desc="train", disable=not progress, dynamic_ncols=True)
+            for _ in range(steps):
+                row = self.step()
+                bar.update(1)
+                bar.set_postfix(reward=f"{row['reward/mean']:.3f}", step_s=f"{row['time/step_s']:.2f}")
+                if self.cfg.run.eval_every and self.step_count % self.cfg.run.eval_every == 0:
+                    self.evaluate()
+                if self.cfg.run.checkpoint_every and self.step_count % self.cfg.run.checkpoint_every == 0:
+                    self.save(f"step_{self.step_count}")
+            bar.close()
+            after = self.evals[-1] if self.evals[-1]["step"] == self.step_count else self.evaluate()
+            self.save(f"step_{self.step_count}")
+        except BaseException:
+            self.state = "failed"
+            raise
+        self.state = "finished"
+        return self._write_summary(before, after, time.time() - t0, steps)
+
+    def _write_summary(self, before: dict, after: dict, wall_s: float, steps: int) -> dict:
+        rewards = [r["reward/mean"] for r in self.history if "reward/mean" in r]
+        k = max(1, min(10, len(rewards) // 4 or 1))
+        summary = {
+            "run_dir": str(self.run_dir), "steps": self.step_count, "steps_this_run": steps,
+            "wall_s": round(wall_s, 1),
+            "accuracy_before": before["eval/accuracy"], "accuracy_after": after["eval/accuracy"],
+            "accuracy_gain": after["eval/accuracy"] - before["eval/accuracy"],
+            "eval_prompts": after["eval/n"],
+            "reward_first": sum(rewards[:k]) / k if rewards else None,
+            "reward_last": sum(rewards[-k:]) / k if rewards else None,
+            "final_metrics": self.history[-1] if self.history else {},
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def evaluate(self, rows: list[dict] | None = None) -> dict:
+        """Greedy decoding on the held-out prompts; `eval/accuracy` is the share scoring the maximum 1.0."""
+        rows = rows if rows is not None else self.test_data.rows
+        params = self.cfg.rollout.model_copy(update={"temperature": 0.0, "n": 1})
+        batch = self._encode(rows, 1, tag="eval")
+        batch.update(self.groups["rollout"].call_split("generate", batch, params))
+        self._decode(batch)
+        batch.update(self.groups["reward"].call_split("score", batch))
+        scores = batch["scores_B"]
+        result = {"step": self.step_count, "eval/accuracy": (scores >= 1.0).float().mean().item(),
+                  "eval/reward_mean": scores.mean().item(), "eval/n": len(rows)}
+        self.evals.append(result)
+        for s in self._sinks:
+            s.write(self.step_count, {k: v for k, v in result.items() if k != "step"})
+        return result
+
+    # ---- reward hot-swap ------------------------------------------------------------------------
+    def set_reward(self, fn: Callable[..., float]) -> Callable[..., float]:
+        """Replace the reward function on every reward worker; `score(batch)` re-scores with it."""
+        self._reward_fn = fn
+        self.groups["reward"].call("set_fn", fn)
+        return fn
+
+    reward = set_reward  # as a decorator: @sess.reward
+
+    # ---- logging, rollouts, checkpoints ----------------------------------------------------------
+    def _log(self, row: dict) -> None:
+        self.history.append({"step": self.step_count, **row})
+        for s in self._sinks:
+            s.write(self.step_count, row)
+
+    def save_rollouts(self, batch: Batch) -> Path:
+        """rollouts/step_N.jsonl: prompt, response, reward, advantage, error per sample."""
+        d = self.run_dir / "rollouts"
+        d.mkdir(exist_ok=True)
+        path = d / f"step_{self.step_count:06d}.jsonl"
+        fields = [f for f in ("prompt", "response", "answer", "scores_B", "advantage", "response_len_B",
+                              "reward_error", "group") if f in batch]
+        with path.open("w", encoding="utf-8") as f:
+            for row in batch.rows(fields):
+                f.write(json.dumps(row, default=str) + "\n")
+        return path
+
+    def _save(self, name: str) -> Path:
+        """A checkpoint that resumes exactly: weights, optimizer, RNG, data position, step, KL controller."""
+        final = self._ckpt_path(name)
+        controller = {"step": self.step_count, "sampler": self.sampler.state_dict(),
+                      "kl_ctrl": self.kl_ctrl.state_dict(), "evals": self.evals, "run_dir": str(self.run_dir)}
+
+        def write(tmp: Path) -> None:
+            self.cfg.save(tmp / "config.yaml")
+            (tmp / "controller.json").write_text(json.dumps(controller, indent=1))
+            self.groups["policy"].call_rank0("save", str(tmp / "policy"))
+            if "critic" in self.groups:
+                self.groups["critic"].call_rank0("save", str(tmp / "critic"))
+            torch.save(self.groups["rollout"].call_rank0("get_state"), tmp / "rollout_state.pt")
+
+        checkpoint.write_atomically(final, write)
+        return final
+
+    def _restore(self, name: str | Path) -> "Session":
+        path = checkpoint.resolve(self._ckpt_path(name) if not Path(name).is_absolute() and
+                                  not Path(name).exists() else Path(name))
+        controller = json.loads((path / "controller.json").read_text())
+        self.groups["policy"].call("load", str(path / "policy"))
+        if "critic" in self.groups:
+            self.groups["critic"].call("load", str(path / "critic"))
+        self.sync_weights()
+        rollout_state = torch.load(path / "rollout_state.pt", weights_only=True)
+        self.groups["rollout"].call("set_state", rollout_state)
+        self.step_count = controller["step"]
+        self.sampler.load_state_dict(controller["sampler"])
+        self.kl_ctrl.load_state_dict(controller["kl_ctrl"])
+        self.evals = controller["evals"]
+        for s in self._sinks:  # the metrics file is rewritten below: reopen after
+            s.close()
+        self.history = checkpoint.truncate_metrics(self.run_dir / "metrics.jsonl", self.step_count)
+        self._open_sinks()
+        return self
+
+    @classmethod
+    def _load_new(cls, path: str | Path, run_dir: str | Path | None = None, overrides=()) -> "Session":
+        path = checkpoint.resolve(Path(path))
+        controller = json.loads((path / "controller.json").read_text())
+        cfg = Config.load(path / "config.yaml", overrides)
+        run_dir = Path(run_dir) if run_dir else Path(controller["run_dir"])
+        return cls(cfg, run_dir=run_dir)._restore(path)
+
+    save = _save
+    load = _hybridmethod(_load_new, _restore)
+
+    def _ckpt_path(self, name: str | Path) -> Path:
+        return self.run_dir / "checkpoints" / str(name)
+
+    def close(self) -> None:
+        for s in self._sinks:
+            s.close()
+        self._sinks = []
+        for g in self.groups.values():
+            g.close()
+        self.state = "closed"
+
+    # ---- display --------------------------------------------------------------------------------
+    def _roles_table(self) -> list[tuple]:
+        out = []
+        for role, g in self.groups.items():
+            mem = g.memory or {}
+            peak = max((v.get("peak_rss_gb", 0) for v in mem.values()), default=float("nan"))
+            out.append((role, g.world_size, self.cfg.cluster.backend, str(getattr(g.workers[0], "device", "cpu"))
+                        if hasattr(g, "workers") else "?", f"{peak:.2f}"))
+        return out
+
+    def __repr__(self) -> str:
+        lines = [f"Session(state={self.state}, step={self.step_count}, algo={self.cfg.algo.advantage}, "
+                 f"run_dir={self.run_dir})"]
+        lines += [f"  {r:<10} ranks={n} backend={b} device={d} peak_rss_gb={m}" for r, n, b, d, m in self._roles_table()]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        from html import escape
+        rows = "".join(f"<tr><td>{r}</td><td>{n}</td><td>{b}</td><td>{d}</td><td>{m}</td></tr>"
+                       for r, n, b, d, m in self._roles_table())
+        return (f"<div><b>rlbench-nb Session</b> — state <b>{self.state}</b>, step {self.step_count}, "
+                f"algo {self.cfg.algo.advantage}<br><code>{escape(str(self.run_dir))}</code>"
+                f"<table style='font-size:12px'><tr><th>role</th><th>ranks</th><th>backend</th><th>device</th>"
+                f"<th>peak RSS GB</th></tr>{rows}</table></div>")
+
+
+def _total_tokens(batch: Batch) -> float:
+    return (batch["prompt_mask_BP"].sum() + batch["response_mask_BR"].sum()).item()
+
+
+def _mean_over_ranks(stats: list[dict]) -> dict:
+    keys = {k for s in stats for k in s}
+    return {k: sum(s.get(k, 0.0) for s in stats) / len(stats) for k in keys}
+
+
+def _fresh_run_dir(cfg: Config) -> Path:
+    base = Path(cfg.run.dir) / cfg.run.name
+    path, i = base, 1
+    while path.exists():
+        i += 1
+        path = base.with_name(f"{base.name}-{i}")
+    return path
