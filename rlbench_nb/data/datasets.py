@@ -93,7 +93,7 @@ def validate_rows(numbered: list[tuple[int, object]], prompt_key: str, max_promp
             problems.append(RowProblem(n, f"prompt has {n_tok} tokens > data.max_prompt_len={max_prompt_len}"))
             continue
         good.append({**row, "prompt": prompt} if prompt_key != "prompt" else row)
-    ds = PromptDataset(good, source, problems)
+    ds = PromptDataset(good, source, sorted(problems, key=lambda p: p.row))
     if problems:
         log.warning("%s", ds.report())
     if not good:

@@ -1,0 +1,41 @@
+import pytest
+import torch
+
+from rlbench_nb.data.batch import Batch
+
+
+def make(n=5):
+    return Batch({"x_B": torch.arange(n), "y_BT": torch.arange(n * 2).view(n, 2)},
+                 {"prompt": [f"p{i}" for i in range(n)]}, {"step": 3})
+
+
+def test_chunk_and_cat_round_trip():
+    b = make(5)
+    parts = b.chunk(2)
+    assert [len(p) for p in parts] == [3, 2]
+    back = Batch.cat(parts)
+    assert torch.equal(back["x_B"], b["x_B"]) and torch.equal(back["y_BT"], b["y_BT"])
+    assert back["prompt"] == b["prompt"] and back.info == {"step": 3}
+    assert [len(p) for p in b.split(2)] == [2, 2, 1]
+
+
+def test_select_and_rows():
+    b = make(4).select([3, 1])
+    assert b["prompt"] == ["p3", "p1"] and b["x_B"].tolist() == [3, 1]
+    assert b.rows(["prompt", "x_B"]) == [{"prompt": "p3", "x_B": 3}, {"prompt": "p1", "x_B": 1}]
+
+
+def test_size_mismatch_and_missing_field_are_clear():
+    with pytest.raises(ValueError, match="disagree on the batch size"):
+        Batch({"a": torch.zeros(3)}, {"p": [1, 2]})
+    with pytest.raises(KeyError, match="batch has no field 'nope'"):
+        make()["nope"]
+    with pytest.raises(ValueError, match="different fields"):
+        Batch.cat([make(2), Batch({"x_B": torch.zeros(2)})])
+
+
+def test_setitem_moves_between_tensor_and_meta():
+    b = make(2)
+    b["x_B"] = ["a", "b"]
+    assert "x_B" in b.meta and "x_B" not in b.tensors
+    assert "Batch(2 rows" in repr(b) and "<table" in b._repr_html_()

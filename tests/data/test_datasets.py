@@ -1,0 +1,67 @@
+import json
+
+import pytest
+
+from rlbench_nb.data.datasets import DatasetError, PromptSampler, read_rows, validate_rows
+
+
+def count_chars(s):
+    return len(s)
+
+
+def test_malformed_rows_are_reported_with_row_numbers(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text("\n".join([
+        json.dumps({"prompt": "1+1=", "answer": "2"}),   # 1 ok
+        "{not json",                                        # 2 bad JSON
+        json.dumps({"question": "2+2="}),                   # 3 missing prompt
+        json.dumps({"prompt": 5}),                          # 4 wrong type
+        json.dumps({"prompt": "   "}),                      # 5 empty
+        json.dumps({"prompt": "x" * 50}),                   # 6 too long
+        json.dumps(["a list"]),                             # 7 not an object
+        json.dumps({"prompt": "3+4=", "answer": "7", "level": 2}),  # 8 ok, extra field kept
+    ]) + "\n")
+    numbered, problems = read_rows(p)
+    ds = validate_rows(numbered, "prompt", 10, count_chars, str(p), problems)
+    assert [r["prompt"] for r in ds.rows] == ["1+1=", "3+4="] and ds.rows[1]["level"] == 2
+    assert {pr.row: pr.reason.split(" ")[0] for pr in ds.problems} == {
+        2: "not", 3: "missing", 4: "'prompt'", 5: "empty", 6: "prompt", 7: "expected"}
+    report = ds.report()
+    assert "2 rows kept, 6 skipped" in report and "row 2: not valid JSON" in report
+    assert "row 6: prompt has 50 tokens > data.max_prompt_len=10" in report
+
+
+def test_no_good_rows_is_an_error_naming_the_file(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps({"text": "a"}) + "\n")
+    numbered, problems = read_rows(p)
+    with pytest.raises(DatasetError, match=r"bad.jsonl: 0 rows kept, 1 skipped \(row 1: missing field 'prompt'.*no usable rows"):
+        validate_rows(numbered, "prompt", 10, count_chars, str(p), problems)
+    with pytest.raises(DatasetError, match="dataset file not found"):
+        read_rows(tmp_path / "nope.jsonl")
+
+
+def test_parquet_rows(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"q": ["1+2=", ""], "answer": ["3", "0"]}), p)
+    numbered, problems = read_rows(p)
+    ds = validate_rows(numbered, "q", 10, count_chars, str(p), problems)
+    assert ds.rows == [{"q": "1+2=", "answer": "3", "prompt": "1+2="}]
+    assert ds.problems[0].row == 1
+
+
+def test_sampler_epochs_and_resume():
+    s = PromptSampler(5, 3, seed=7)
+    first = [s.next_indices() for _ in range(4)]
+    flat = [i for b in first for i in b]
+    assert sorted(flat[:5]) == list(range(5)) and sorted(flat[5:10]) == list(range(5))  # each epoch a permutation
+    assert flat[:5] != flat[5:10]  # reshuffled per epoch
+    s2 = PromptSampler(5, 3, seed=7)
+    s2.next_indices()
+    state = s2.state_dict()
+    s3 = PromptSampler(5, 3, seed=7)
+    s3.load_state_dict(state)
+    assert [s3.next_indices() for _ in range(3)] == first[1:]
+    assert PromptSampler(4, 2, seed=0, shuffle=False).next_indices() == [0, 1]

@@ -1,0 +1,64 @@
+import pytest
+
+from rlbench_nb.config import Config, ConfigError, all_keys, help_text
+
+from .conftest import REPO
+
+
+def test_shipped_configs_load():
+    for name in ("arith_grpo", "arith_ppo", "arith_rloo"):
+        cfg = Config.load(REPO / "configs" / f"{name}.yaml")
+        assert cfg.run.name == name.replace("_", "-")
+    assert Config.load(REPO / "configs/arith_ppo.yaml").uses_critic
+    assert not Config.load(REPO / "configs/arith_grpo.yaml").uses_critic
+
+
+def test_overrides_are_typed_and_applied():
+    cfg = Config.load(REPO / "configs/arith_grpo.yaml", ["algo.kl_coef=0.01", "rollout.n=4", "algo.dual_clip=3"])
+    assert cfg.algo.kl_coef == 0.01 and cfg.rollout.n == 4 and cfg.algo.dual_clip == 3.0
+    assert cfg.uses_reference
+    assert cfg.override("algo.kl_coef=0").algo.kl_coef == 0.0
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.kl_coeff=0.1", "unknown config key 'algo.kl_coeff' (did you mean 'algo.kl_coef'?)"),
+    ("algo.klcoef=0.1", "did you mean 'algo.kl_coef'?"),
+    ("rollout.temprature=0.5", "did you mean 'rollout.temperature'?"),
+    ("algos.kl_coef=0.1", "did you mean 'algo.kl_coef'?"),
+    ("algo.kl_coef=abc", "invalid value for 'algo.kl_coef': 'abc'"),
+    ("rollout.top_p=1.5", "invalid value for 'rollout.top_p': 1.5 — Input should be less than or equal to 1"),
+    ("algo.advantage=ppo", "invalid value for 'algo.advantage': 'ppo'"),
+    ("task.ops=+/", "unknown operator(s) ['/']"),
+    ("rollout.n=1", "algo.advantage=grpo compares samples of one prompt: set rollout.n to 2 or more"),
+    ("algo.kl_coef", "override 'algo.kl_coef' must look like key=value"),
+])
+def test_bad_overrides_give_one_clear_line(override, message):
+    with pytest.raises(ConfigError) as e:
+        Config.load(REPO / "configs/arith_grpo.yaml", [override])
+    text = str(e.value)
+    assert message in text
+    assert "\n" not in text
+
+
+def test_typo_inside_yaml_file_is_named(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("algo:\n  advantage: grpo\n  clip_hihg: 0.3\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'algo.clip_hihg' \(did you mean 'algo.clip_high'\?\)"):
+        Config.load(p)
+    p.write_text("algo: [1, 2]\n")
+    with pytest.raises(ConfigError, match="'algo'"):
+        Config.load(p)
+    with pytest.raises(ConfigError, match="config file not found"):
+        Config.load(tmp_path / "missing.yaml")
+
+
+def test_yaml_round_trip_and_help(tmp_path):
+    cfg = Config.load(REPO / "configs/arith_ppo.yaml", ["train.betas=[0.8, 0.95]"])
+    cfg.save(tmp_path / "c.yaml")
+    again = Config.load(tmp_path / "c.yaml")
+    assert again == cfg and again.train.betas == (0.8, 0.95)
+    text = help_text()
+    for key in all_keys():
+        assert key in text
+    assert "Dr. GRPO" in text  # field help carries the science
+

@@ -1,0 +1,212 @@
+"""The in-process (`local` backend) session: phases, weight sync, runs, checkpoints and bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rlbench_nb as rl
+from rlbench_nb.checkpoint import CheckpointError
+from rlbench_nb.data.datasets import DatasetError
+from rlbench_nb.metrics import read_jsonl
+
+from .conftest import REPO
+
+
+def test_each_phase_returns_data_to_look_at(small_cfg):
+    sess = rl.Session(small_cfg(), )
+    batch = sess.rollout()
+    assert len(batch) == 8 * 4 and len(set(batch["group"])) == 8
+    assert all(isinstance(r, str) for r in batch["response"])
+    assert batch["response_ids_BR"].shape == batch["response_mask_BR"].shape
+    # EOS ends a response: nothing after the first EOS is part of it
+    ids, mask = batch["response_ids_BR"], batch["response_mask_BR"]
+    eos = sess.tokenizer.eos_token_id
+    for i in range(len(batch)):
+        n = int(mask[i].sum())
+        assert mask[i, :n].all() and not mask[i, n:].any()
+        assert eos not in ids[i, : n - 1].tolist()
+    batch = sess.score(batch)
+    assert set(batch["scores_B"].tolist()) <= {0.0, 1.0}
+    expected = [float(r.strip() == a) for r, a in zip(batch["response"], batch["answer"])]
+    assert batch["scores_B"].tolist() == expected
+    batch = sess.prepare(batch)
+    assert batch["advantages_BR"].shape == mask.shape and "old_logprobs_BR" in batch
+    stats = sess.update(batch)
+    for key in ("reward/mean", "loss/policy", "actor/clip_frac", "actor/grad_norm", "entropy", "time/rollout_s",
+                "throughput/rollout_tok_s", "memory/policy_peak_gb", "sync/bytes", "response_len/mean"):
+        assert key in stats, key
+    assert sess.step_count == 1
+    rows = read_jsonl(sess.run_dir / "metrics.jsonl")
+    assert rows[-1]["step"] == 1 and rows[-1]["reward/mean"] == pytest.approx(stats["reward/mean"])
+    assert (sess.run_dir / "config.yaml").exists() and (sess.run_dir / "rollouts" / "step_000001.jsonl").exists()
+    assert "policy" in repr(sess) and "<table" in sess._repr_html_()
+
+
+def test_rollout_logprobs_match_the_trainer(small_cfg):
+    """The sampler's log-probs of the tokens it drew equal the policy's: the PPO ratio starts at 1."""
+    sess = rl.Session(small_cfg())
+    batch = sess.prepare(sess.score(sess.rollout()))
+    m = batch["response_mask_BR"].bool()
+    torch.testing.assert_close(batch["rollout_logprobs_BR"][m], batch["old_logprobs_BR"][m], atol=1e-4, rtol=1e-4)
+
+
+def test_update_changes_the_policy_and_the_rollout_engine_follows(small_cfg):
+    sess = rl.Session(small_cfg("train.lr=1e-2"))
+    policy = sess.groups["policy"].workers[0].model
+    rollout = sess.groups["rollout"].workers[0].model
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    probe = sess._encode(sess.test_data.rows[:16], 1, "probe")
+    greedy = sess.cfg.rollout.model_copy(update={"temperature": 0.0})
+    lp_before = sess.groups["rollout"].call_split("generate", probe, greedy)["rollout_logprobs_BR"]
+    sess.step()
+    after = policy.state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) >= len(before) // 2, "most parameter tensors should move after one update"
+    for k, v in rollout.state_dict().items():
+        assert torch.equal(v, after[k]), f"rollout weight {k} was not synced"
+    out = sess.groups["rollout"].call_split("generate", probe, greedy)
+    lp_after = out["rollout_logprobs_BR"]  # it generates with the new weights:
+    assert lp_after.shape != lp_before.shape or not torch.allclose(lp_after, lp_before)
+    probe.update(out)
+    trainer_lp = sess.groups["policy"].call_split("compute_logprobs", probe)["old_logprobs_BR"]
+    m = out["response_mask_BR"].bool()
+    torch.testing.assert_close(out["rollout_logprobs_BR"][m], trainer_lp[m], atol=1e-4, rtol=1e-4)
+
+
+def test_run_writes_summary_rollouts_tensorboard_and_checkpoint(small_cfg):
+    sess = rl.Session(small_cfg("run.checkpoint_every=2"))
+    summary = sess.run(steps=3, progress=False)
+    d = sess.run_dir
+    saved = json.loads((d / "summary.json").read_text())
+    assert saved["steps"] == 3 and 0 <= saved["accuracy_before"] <= 1 and "accuracy_after" in saved
+    assert summary == saved
+    rows = [json.loads(l) for l in (d / "rollouts" / "step_000003.jsonl").read_text().splitlines()]
+    assert len(rows) == 32 and {"prompt", "response", "scores_B", "advantage", "reward_error"} <= set(rows[0])
+    assert list((d / "tb").glob("events.out.tfevents.*"))
+    assert (d / "checkpoints" / "latest").read_text() == "step_3"
+    assert {p.name for p in (d / "checkpoints").iterdir()} == {"step_2", "step_3", "latest"}
+    evals = [r for r in read_jsonl(d / "metrics.jsonl") if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 3]
+
+
+def test_reward_hot_swap_rescoring_and_errors_keep_the_step_going(small_cfg):
+    sess = rl.Session(small_cfg())
+    batch = sess.score(sess.rollout())
+
+    @sess.reward
+    def length_reward(prompt, response, answer):
+        if response.startswith("1"):
+            raise ValueError("no ones")
+        return float(len(response))
+
+    rescored = sess.score(batch)
+    for resp, score, err in zip(rescored["response"], rescored["scores_B"].tolist(), rescored["reward_error"]):
+        if resp.startswith("1"):
+            assert score == 0.0 and "length_reward' ValueError" in err and "no ones" in err
+        else:
+            assert score == float(len(resp)) and err is None
+    n_err = sum(r.startswith("1") for r in batch["response"])
+    stats = sess.update(sess.prepare(rescored))
+    assert stats["reward/errors"] == n_err
+
+
+def _strip(rows):
+    """Training rows without wall-clock quantities (time, throughput, memory, sync seconds)."""
+    drop = ("time/", "throughput/", "memory/", "sync/s")
+    return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows if "reward/mean" in r]
+
+
+RESUME_SCRIPT = """
+import sys, transformers
+transformers.logging.disable_progress_bar()
+import rlbench_nb as rl
+mode, arg, run_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+if mode == "start":
+    sess = rl.Session(rl.Config.load(sys.argv[4]), run_dir=run_dir)
+    for _ in range(int(arg)):
+        sess.step()
+    sess.save("mid")
+else:
+    sess = rl.Session.load(run_dir)
+    for _ in range(int(arg)):
+        sess.step()
+"""
+
+
+@pytest.mark.parametrize("algo", [
+    ["algo.kl_coef=0.05"],                                                                # GRPO + reference KL loss
+    ["algo.advantage=gae", "algo.kl_in=reward", "algo.kl_coef=0.02", "algo.kl_ctrl=adaptive",
+     "train.mini_batches=2", "train.epochs=2"],                                           # PPO with critic
+])
+def test_exact_resume_in_a_new_process(small_cfg, tmp_path, algo):
+    cfg = small_cfg(*algo, "run.tensorboard=false")
+    straight = rl.Session(cfg, run_dir=tmp_path / "straight")
+    for _ in range(4):
+        straight.step()
+    cfg.save(tmp_path / "cfg.yaml")
+    resumed_dir = tmp_path / "resumed"
+    for mode in ("start", "resume"):
+        subprocess.run([sys.executable, "-c", RESUME_SCRIPT, mode, "2", str(resumed_dir), str(tmp_path / "cfg.yaml")],
+                       check=True, cwd=REPO, timeout=300)
+    a = _strip(read_jsonl(tmp_path / "straight" / "metrics.jsonl"))
+    b = _strip(read_jsonl(resumed_dir / "metrics.jsonl"))
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert a == b
+
+
+def test_resume_after_later_rows_keeps_them_aside(small_cfg, tmp_path):
+    sess = rl.Session(small_cfg("run.tensorboard=false"), run_dir=tmp_path / "r")
+    sess.step()
+    sess.save("one")
+    sess.step()
+    again = rl.Session.load(tmp_path / "r" / "checkpoints" / "one")
+    assert again.step_count == 1 and [r["step"] for r in again.history] == [1]
+    assert [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics.superseded.jsonl")] == [2]
+    again.step()
+    assert [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if "reward/mean" in r] == [1, 2]
+
+
+def test_interrupted_save_never_becomes_latest(small_cfg, tmp_path, monkeypatch):
+    sess = rl.Session(small_cfg("run.tensorboard=false"), run_dir=tmp_path / "r")
+    sess.step()
+    sess.save("good")
+    sess.step()
+
+    def crash(*a, **k):
+        raise OSError("disk full mid-save")
+    monkeypatch.setattr(sess.groups["rollout"].workers[0], "get_state", crash)
+    with pytest.raises(rl.cluster.WorkerError):
+        sess.save("bad")
+    assert (tmp_path / "r" / "checkpoints" / "latest").read_text() == "good"
+    assert not (tmp_path / "r" / "checkpoints" / "bad").exists()
+    assert rl.Session.load(tmp_path / "r").step_count == 1
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        rl.Session.load(tmp_path)
+
+
+def test_bad_dataset_and_config_fail_before_touching_the_run(small_cfg, tmp_path):
+    run_dir = tmp_path / "r"
+    sess = rl.Session(small_cfg("run.tensorboard=false"), run_dir=run_dir)
+    sess.step()
+    sess.save("kept")
+    written = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": ""}\n{oops\n')
+    with pytest.raises(DatasetError, match=r"bad.jsonl: 0 rows kept, 2 skipped \(row 1: empty 'prompt'; row 2: not valid JSON"):
+        rl.Session(small_cfg(f"data.train_path={bad}"), run_dir=run_dir)
+    with pytest.raises(rl.ConfigError, match="did you mean 'rollout.temperature'"):
+        rl.Session(small_cfg("rollout.temperatur=2"), run_dir=run_dir)
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == written
+
+
+def test_jsonl_dataset_with_some_bad_rows_trains(small_cfg, tmp_path):
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(20)]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join([json.dumps(r) for r in rows] + ['{"answer": "3"}', "not json"]) + "\n")
+    sess = rl.Session(small_cfg(f"data.train_path={path}"))
+    assert len(sess.train_data) == 20 and [p.row for p in sess.train_data.problems] == [21, 22]
+    batch = sess.rollout()
+    assert set(batch["prompt"]) <= {r["prompt"] for r in rows}
+    sess.update(sess.prepare(sess.score(batch)))
