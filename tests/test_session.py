@@ -210,3 +210,31 @@ def test_jsonl_dataset_with_some_bad_rows_trains(small_cfg, tmp_path):
     batch = sess.rollout()
     assert set(batch["prompt"]) <= {r["prompt"] for r in rows}
     sess.update(sess.prepare(sess.score(batch)))
+
+
+def test_local_model_dir_with_chat_template(small_cfg, tmp_path):
+    """Any local HF directory loads the same way; its chat template wraps the prompts."""
+    base = rl.Session(small_cfg("run.tensorboard=false"))
+    model_dir = tmp_path / "my-model"
+    base.groups["policy"].workers[0].model.save_pretrained(str(model_dir))
+    tok = base.tokenizer
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} {% endif %}"
+    tok.save_pretrained(str(model_dir))
+    sess = rl.Session(small_cfg(f"model.path={model_dir}", "run.tensorboard=false"))
+    assert sess.task.model_dir == model_dir
+    batch = sess.rollout()
+    first = sess.tokenizer.decode(batch["prompt_ids_BP"][0][batch["prompt_mask_BP"][0].bool()])
+    assert first == batch["prompt"][0] + " "  # the template's generation prompt was added
+    sess.update(sess.prepare(sess.score(batch)))
+
+
+def test_non_finite_loss_skips_the_update_and_keeps_weights(small_cfg):
+    sess = rl.Session(small_cfg("run.tensorboard=false"))
+    batch = sess.prepare(sess.score(sess.rollout()))
+    policy = sess.groups["policy"].workers[0]
+    before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    batch["advantages_BR"] = torch.full_like(batch["advantages_BR"], float("nan"))
+    stats = sess.update(batch)
+    assert stats["update/skipped"] == 1
+    assert all(torch.equal(v, policy.model.state_dict()[k]) for k, v in before.items())
+    assert not policy.optimizer.state  # Adam moments untouched too

@@ -1,0 +1,41 @@
+"""The `rlbench-nb` command, run as a user runs it (a subprocess)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import REPO, SMALL
+
+
+def cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "rlbench_nb.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_help_explains_every_field():
+    out = cli("train", "--help")
+    assert out.returncode == 0
+    for text in ("algo.kl_coef", "rollout.temperature", "Dr. GRPO", "--resume"):
+        assert text in out.stdout
+
+
+def test_config_typo_is_one_line_and_exit_2(tmp_path):
+    out = cli("train", "configs/arith_grpo.yaml", "algo.kl_cof=0.1", f"run.dir={tmp_path}")
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("rlbench-nb train: unknown config key 'algo.kl_cof' "
+                                  "(did you mean 'algo.kl_coef'?)")
+    assert not any(tmp_path.iterdir())  # nothing started, nothing written
+
+
+def test_train_then_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    out = cli("train", "configs/arith_grpo.yaml", *SMALL, "run.steps=4", "--steps", "2", "--run-dir", str(run_dir))
+    assert out.returncode == 0, out.stderr
+    assert "held-out accuracy" in out.stdout and str(run_dir) in out.stdout
+    assert "train:" in out.stderr  # the progress bar
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+    out = cli("train", "--resume", str(run_dir), "--quiet")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["steps_this_run"] == 2
