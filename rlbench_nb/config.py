@@ -37,8 +37,20 @@ class RunConfig(_Section):
 
 
 class ClusterConfig(_Section):
-    backend: Literal["local"] = Field(
-        "local", description="'local': every role runs in this process (world size 1, pdb works).")
+    backend: Literal["local", "ray"] = Field(
+        "local", description="'local': every role in this process (world size 1, pdb works); 'ray': each rank a Ray actor.")
+    address: Optional[str] = Field(None, description="Ray cluster to attach to ('auto', 'HOST:PORT'); null: start an embedded one on 127.0.0.1.")
+    namespace: str = Field("rlbench-nb", description="Ray namespace of the named role actors.")
+    num_cpus: int = Field(0, ge=0, description="Embedded Ray: CPUs it may use (0: all of this machine's).")
+    dashboard: bool = Field(False, description="Embedded Ray: start the dashboard (needed by `ray job submit`; no authentication).")
+    log_to_driver: bool = Field(True, description="Show the workers' stdout/stderr in this process.")
+    train_ranks: int = Field(1, ge=1, description="Ray: FSDP2 ranks of each trainer role (policy, reference, critic).")
+    rollout_ranks: int = Field(1, ge=1, description="Ray: rollout workers; each generates its share of the batch.")
+    cpus_per_worker: float = Field(0.25, gt=0, description="Ray: CPUs reserved per worker (fractions share cores).")
+    gpus_per_worker: float = Field(0.0, ge=0, description="Ray: GPUs reserved per worker (fractions colocate roles).")
+    call_timeout_s: float = Field(600.0, gt=0, description="Ray: a worker call with no answer by then fails, naming the role and rank.")
+    placement_timeout_s: float = Field(60.0, gt=0, description="Ray: how long to wait for resources before saying what is missing.")
+    detached: bool = Field(False, description="Ray: actors outlive this process (needs a cluster started with `ray start --head`).")
     num_threads: int = Field(0, ge=0, description="torch CPU threads per process (0: torch's default).")
 
 
@@ -152,6 +164,11 @@ class Config(_Section):
         if self.algo.advantage in ("grpo", "rloo") and self.rollout.n < 2:
             raise ValueError(f"algo.advantage={self.algo.advantage} compares samples of one prompt: "
                              "set rollout.n to 2 or more")
+        samples, ranks = self.data.batch_size * self.rollout.n, self.cluster.train_ranks
+        if self.cluster.backend == "ray" and samples % (ranks * self.train.mini_batches):
+            # FSDP2 ranks run collectives in lockstep: each needs the same number of (micro-)batches
+            raise ValueError(f"data.batch_size x rollout.n = {samples} samples must divide evenly into "
+                             f"cluster.train_ranks x train.mini_batches = {ranks * self.train.mini_batches}")
         return self
 
     @property

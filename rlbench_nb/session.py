@@ -73,13 +73,21 @@ class Session:
 
         model_dir = str(self.task.model_dir)
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        self.groups = {"policy": make_group(cfg, "policy", PolicyWorker, cfg, model_dir),
-                       "rollout": make_group(cfg, "rollout", HFRolloutWorker, cfg, model_dir, eos, pad),
-                       "reward": make_group(cfg, "reward", RewardWorker, self._reward_fn)}
+        # role -> (worker class, constructor args): what restart(role) rebuilds from
+        self._roles = {"policy": (PolicyWorker, (cfg, model_dir)),
+                       "rollout": (HFRolloutWorker, (cfg, model_dir, eos, pad)),
+                       "reward": (RewardWorker, (self._reward_fn,))}
         if cfg.uses_reference:
-            self.groups["reference"] = make_group(cfg, "reference", ReferenceWorker, cfg, model_dir)
+            self._roles["reference"] = (ReferenceWorker, (cfg, model_dir))
         if cfg.uses_critic:
-            self.groups["critic"] = make_group(cfg, "critic", CriticWorker, cfg, model_dir)
+            self._roles["critic"] = (CriticWorker, (cfg, model_dir))
+        self.groups = {}
+        try:
+            for role, (cls, args) in self._roles.items():
+                self.groups[role] = make_group(cfg, role, cls, *args, name=self.run_dir.name)
+        except BaseException:
+            self.close()  # no half-built session keeps actors alive
+            raise
 
         self.kl_ctrl = make_kl_controller(cfg.algo)
         self.step_count = 0
@@ -210,9 +218,11 @@ class Session:
         m = dict(batch.info.get("metrics", {}))
         t0 = time.perf_counter()
         if "critic" in self.groups:
-            m.update(_mean_over_ranks(self.groups["critic"].call_shards("update", batch)))
+            shards = _minibatch_major(batch, self.cfg.train.mini_batches, self.groups["critic"].world_size)
+            m.update(_mean_over_ranks(self.groups["critic"].call_shards("update", shards)))
         if self.step_count >= self.cfg.train.critic_warmup:
-            m.update(_mean_over_ranks(self.groups["policy"].call_shards("update", batch, self.kl_ctrl.value)))
+            shards = _minibatch_major(batch, self.cfg.train.mini_batches, self.groups["policy"].world_size)
+            m.update(_mean_over_ranks(self.groups["policy"].call_shards("update", shards, self.kl_ctrl.value)))
             m.update(self.sync_weights())
         dt = time.perf_counter() - t0
         m["time/update_s"] = dt
@@ -231,9 +241,29 @@ class Session:
     def sync_weights(self) -> dict:
         """Push the policy's full weights to every rollout rank; bytes and seconds are metrics."""
         t0 = time.perf_counter()
-        weights = self.groups["policy"].call_rank0("get_weights")
+        weights = self.groups["policy"].call("get_weights")[0]  # a collective when sharded: all ranks
         res = self.groups["rollout"].call("set_weights", weights, self.step_count + 1)
         return {"sync/s": time.perf_counter() - t0, "sync/bytes": sum(r["bytes"] for r in res)}
+
+    def restart(self, role: str) -> "Session":
+        """Rebuild a role's workers (e.g. after its process died). Trainer roles come back from the latest
+        checkpoint, and the whole session returns to that checkpoint's step so every role agrees."""
+        if role not in self._roles:
+            raise ValueError(f"unknown role '{role}'; this session has {list(self._roles)}")
+        self.groups[role].close()
+        cls, args = self._roles[role]
+        if role == "reward":
+            args = (self._reward_fn,)
+        self.groups[role] = make_group(self.cfg, role, cls, *args, name=self.run_dir.name)
+        if role in ("policy", "critic"):
+            if not (self.run_dir / "checkpoints" / "latest").exists():
+                raise checkpoint.CheckpointError(
+                    f"restarted '{role}' has its initial weights: no checkpoint in {self.run_dir}/checkpoints to "
+                    "restore; save regularly (run.checkpoint_every) or start a new session")
+            self._restore(self.run_dir)
+        elif role == "rollout":
+            self.sync_weights()
+        return self
 
     def step(self) -> dict:
         """One iteration: rollout -> score -> prepare -> update. Returns the step's metrics row."""
@@ -338,17 +368,16 @@ class Session:
         def write(tmp: Path) -> None:
             self.cfg.save(tmp / "config.yaml")
             (tmp / "controller.json").write_text(json.dumps(controller, indent=1))
-            self.groups["policy"].call_rank0("save", str(tmp / "policy"))
+            self.groups["policy"].call("save", str(tmp / "policy"))  # all ranks: gathers when sharded
             if "critic" in self.groups:
-                self.groups["critic"].call_rank0("save", str(tmp / "critic"))
+                self.groups["critic"].call("save", str(tmp / "critic"))
             torch.save(self.groups["rollout"].call_rank0("get_state"), tmp / "rollout_state.pt")
 
         checkpoint.write_atomically(final, write)
         return final
 
     def _restore(self, name: str | Path) -> "Session":
-        path = checkpoint.resolve(self._ckpt_path(name) if not Path(name).is_absolute() and
-                                  not Path(name).exists() else Path(name))
+        path = checkpoint.resolve(Path(name) if Path(name).exists() else self._ckpt_path(name))
         controller = json.loads((path / "controller.json").read_text())
         self.groups["policy"].call("load", str(path / "policy"))
         if "critic" in self.groups:
@@ -381,41 +410,56 @@ class Session:
         return self.run_dir / "checkpoints" / str(name)
 
     def close(self) -> None:
-        for s in self._sinks:
+        for s in getattr(self, "_sinks", []):
             s.close()
         self._sinks = []
-        for g in self.groups.values():
+        for g in getattr(self, "groups", {}).values():
             g.close()
+        if self.cfg.cluster.backend == "ray":
+            from .cluster.ray_backend import shutdown_if_ours
+            shutdown_if_ours()
         self.state = "closed"
 
     # ---- display --------------------------------------------------------------------------------
     def _roles_table(self) -> list[tuple]:
+        """(role, rank, node, pid, device, RSS GB) per rank, from what the last calls reported."""
         out = []
         for role, g in self.groups.items():
-            mem = g.memory or {}
-            peak = max((v.get("peak_rss_gb", 0) for v in mem.values()), default=float("nan"))
-            out.append((role, g.world_size, self.cfg.cluster.backend, str(getattr(g.workers[0], "device", "cpu"))
-                        if hasattr(g, "workers") else "?", f"{peak:.2f}"))
+            for rank in range(g.world_size):
+                info, mem = g.info.get(rank, {}), g.memory.get(rank, {})
+                rss = mem.get("rss_gb")
+                out.append((role, rank, info.get("node", "?"), info.get("pid", "?"), info.get("device", "?"),
+                            "-" if rss is None else f"{rss:.2f}"))
         return out
 
     def __repr__(self) -> str:
         lines = [f"Session(state={self.state}, step={self.step_count}, algo={self.cfg.algo.advantage}, "
-                 f"run_dir={self.run_dir})"]
-        lines += [f"  {r:<10} ranks={n} backend={b} device={d} peak_rss_gb={m}" for r, n, b, d, m in self._roles_table()]
+                 f"backend={self.cfg.cluster.backend}, run_dir={self.run_dir})"]
+        lines += [f"  {r:<10} rank {k}  node={n} pid={p} device={d} rss_gb={m}" for r, k, n, p, d, m in self._roles_table()]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
         from html import escape
-        rows = "".join(f"<tr><td>{r}</td><td>{n}</td><td>{b}</td><td>{d}</td><td>{m}</td></tr>"
-                       for r, n, b, d, m in self._roles_table())
+        rows = "".join("<tr>" + "".join(f"<td>{escape(str(x))}</td>" for x in row) + "</tr>"
+                       for row in self._roles_table())
         return (f"<div><b>rlbench-nb Session</b> — state <b>{self.state}</b>, step {self.step_count}, "
-                f"algo {self.cfg.algo.advantage}<br><code>{escape(str(self.run_dir))}</code>"
-                f"<table style='font-size:12px'><tr><th>role</th><th>ranks</th><th>backend</th><th>device</th>"
-                f"<th>peak RSS GB</th></tr>{rows}</table></div>")
+                f"algo {self.cfg.algo.advantage}, backend {self.cfg.cluster.backend}<br>"
+                f"<code>{escape(str(self.run_dir))}</code><table style='font-size:12px'><tr><th>role</th>"
+                f"<th>rank</th><th>node</th><th>pid</th><th>device</th><th>RSS GB</th></tr>{rows}</table></div>")
 
 
 def _total_tokens(batch: Batch) -> float:
     return (batch["prompt_mask_BP"].sum() + batch["response_mask_BR"].sum()).item()
+
+
+def _minibatch_major(batch: Batch, n_mini: int, world: int) -> Batch:
+    """Reorder rows so that splitting by rank, then each rank splitting into `n_mini` mini-batches, puts
+    the rows of global mini-batch j on the ranks' j-th mini-batches: any number of ranks then takes
+    the same optimizer steps on the same data."""
+    if world == 1:
+        return batch
+    parts = [mini.chunk(world) for mini in batch.chunk(n_mini)]
+    return Batch.cat([parts[j][r] for r in range(world) for j in range(n_mini)])
 
 
 def _mean_over_ranks(stats: list[dict]) -> dict:

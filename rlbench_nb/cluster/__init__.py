@@ -1,10 +1,24 @@
 """Where role workers run. `make_group(cfg, role, cls, ...)` picks the backend from `cfg.cluster.backend`."""
 from __future__ import annotations
 
-from .local import CallRecord, LocalWorkerGroup, WorkerError
+from .errors import WorkerDiedError, WorkerError
+from .local import CallRecord, LocalWorkerGroup
+
+TRAINER_ROLES = ("policy", "reference", "critic")
 
 
-def make_group(cfg, role: str, worker_cls, *args, **kwargs):
+def world_size_for(cfg, role: str) -> int:
     if cfg.cluster.backend == "local":
-        return LocalWorkerGroup(role, worker_cls, *args, **kwargs)
-    raise ValueError(f"cluster.backend='{cfg.cluster.backend}' is not available; use 'local'")
+        return 1
+    if role in TRAINER_ROLES:
+        return cfg.cluster.train_ranks
+    return cfg.cluster.rollout_ranks if role == "rollout" else 1
+
+
+def make_group(cfg, role: str, worker_cls, *args, name: str = "run"):
+    """N ranks of `worker_cls(*args)`; under Ray the actors are named '<name>/<role>/<rank>'."""
+    if cfg.cluster.backend == "ray":
+        from .ray_backend import RayWorkerGroup, attach
+        attach(cfg)
+        return RayWorkerGroup(cfg, role, worker_cls, world_size_for(cfg, role), *args, name=name)
+    return LocalWorkerGroup(role, worker_cls, *args)

@@ -6,19 +6,13 @@ Errors come back as `WorkerError` naming the role, rank and method.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from ..data.batch import Batch
-
-
-class WorkerError(RuntimeError):
-    """A worker call failed; `role`, `rank`, `method` say where, `__cause__` holds the original error."""
-
-    def __init__(self, role: str, rank: int, method: str, error: BaseException):
-        self.role, self.rank, self.method = role, rank, method
-        super().__init__(f"{role} rank {rank} failed in {method}(): {type(error).__name__}: {error}")
+from .errors import WorkerError
 
 
 @dataclass
@@ -39,13 +33,14 @@ class LocalWorkerGroup:
         self.records: list[CallRecord] = []
         self.memory: dict[int, dict] = {}
         self.workers = [self._run(0, "__init__", worker_cls, *args, **kwargs)]
+        self.info = {0: {"pid": os.getpid(), "node": "local", "device": str(getattr(self.workers[0], "device", "cpu"))}}
 
     def _run(self, rank: int, method: str, fn, *args, **kwargs) -> Any:
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         except Exception as e:
-            raise WorkerError(self.role, rank, method, e) from e
+            raise WorkerError.from_exception(self.role, rank, method, e) from e
         finally:
             self.records.append(CallRecord(self.role, rank, method, start, time.perf_counter()))
             del self.records[:-1000]  # bounded: the timeline shows recent steps only

@@ -10,8 +10,8 @@ from torch import nn
 from ..algos import agg_loss, value_loss
 from ..config import Config
 from ..data.batch import Batch
-from .common import (DTYPES, full_sequences, load_weights, memory_snapshot, pick_device, read_safetensors,
-                     response_hidden_slice)
+from . import distributed as dist_util
+from .common import DTYPES, full_sequences, memory_snapshot, pick_device, read_safetensors, response_hidden_slice
 
 
 class ValueModel(nn.Module):
@@ -37,6 +37,7 @@ class CriticWorker:
         self.cfg = cfg
         self.device = pick_device()
         self.model = ValueModel(model_dir, cfg.model.dtype).to(self.device)
+        self.sharded = dist_util.shard(self.model, self.device)
         t = cfg.train
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.critic_lr, betas=t.betas,
                                            weight_decay=t.weight_decay)
@@ -57,7 +58,9 @@ class CriticWorker:
         n = 0
         for _ in range(t.epochs):
             for mini in batch.chunk(t.mini_batches):
-                counts = {"num_tokens": mini["response_mask_BR"].float().sum(), "num_seqs": float(len(mini))}
+                counts = {"num_tokens": dist_util.all_reduce_sum(mini["response_mask_BR"].float().sum()),
+                          "num_seqs": dist_util.all_reduce_sum(torch.tensor(float(len(mini))))}
+                world = dist_util.world_size()
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_sum, clip_sum = 0.0, 0.0
                 for mb in mini.split(t.micro_batch_size):
@@ -65,34 +68,42 @@ class CriticWorker:
                     vl_BR, st = value_loss(self._values(mb), mb["values_BR"].to(self.device),
                                            mb["returns_BR"].to(self.device), mask, a.value_clip)
                     loss = agg_loss(vl_BR, mask, a.loss_agg, **counts)
-                    if not torch.isfinite(loss):
+                    if dist_util.all_reduce_sum(torch.tensor(0.0 if torch.isfinite(loss) else 1.0)) > 0:
                         self.optimizer.zero_grad(set_to_none=True)
                         break
-                    loss.backward()
+                    (loss * world).backward()
                     loss_sum += loss.item()
                     clip_sum += st["vf_clip_frac"] * (mask.sum() / counts["num_tokens"]).item()
                 else:
-                    gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
-                    if math.isfinite(gn.item()):
+                    gn = dist_util.local_scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip))
+                    if math.isfinite(gn):
                         self.optimizer.step()
                         n += 1
+                        loss_sum, clip_sum = dist_util.all_reduce_sum(
+                            torch.tensor([loss_sum, clip_sum], dtype=torch.float64)).tolist()
                         for k, v in {"loss/value": loss_sum, "critic/vf_clip_frac": clip_sum,
-                                     "critic/grad_norm": gn.item()}.items():
+                                     "critic/grad_norm": gn}.items():
                             totals[k] = totals.get(k, 0.0) + v
         return {k: v / max(n, 1) for k, v in totals.items()}
 
     def save(self, path: str) -> None:
+        """Every rank must be called (gathers when sharded); rank 0 writes."""
         from safetensors.torch import save_file
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.model.state_dict().items()}, str(path / "value_model.safetensors"))
-        torch.save({"optimizer": self.optimizer.state_dict()}, path / "trainer_state.pt")
+        state = dist_util.full_model_state(self.model, self.sharded)
+        optim = dist_util.full_optimizer_state(self.model, self.optimizer, self.sharded)
+        if dist_util.rank() == 0:
+            path = Path(path)
+            path.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in state.items()}, str(path / "value_model.safetensors"))
+            torch.save({"optimizer": optim}, path / "trainer_state.pt")
 
     def load(self, path: str) -> None:
         path = Path(path)
-        load_weights(self.model, read_safetensors(path / "value_model.safetensors", self.device))
-        extra = torch.load(path / "trainer_state.pt", map_location=self.device, weights_only=True)
-        self.optimizer.load_state_dict(extra["optimizer"])
+        where = "cpu" if self.sharded else self.device
+        dist_util.load_full_model_state(self.model, read_safetensors(path / "value_model.safetensors", where),
+                                        self.sharded)
+        extra = torch.load(path / "trainer_state.pt", map_location=where, weights_only=True)
+        dist_util.load_full_optimizer_state(self.model, self.optimizer, extra["optimizer"], self.sharded)
 
     def memory(self) -> dict:
         return memory_snapshot()

@@ -13,7 +13,8 @@ import torch
 from ..algos import agg_loss, entropy_from_logits, kl_penalty, ppo_policy_loss
 from ..config import Config
 from ..data.batch import Batch
-from .common import (full_sequences, load_causal_lm, load_weights, read_safetensors, memory_snapshot, pick_device, response_hidden_slice,
+from . import distributed as dist_util
+from .common import (full_sequences, load_causal_lm, read_safetensors, memory_snapshot, pick_device, response_hidden_slice,
                      rng_state, set_rng_state, token_logprobs)
 
 
@@ -26,6 +27,7 @@ class ReferenceWorker:
         self.cfg = cfg
         self.device = pick_device()
         self.model = load_causal_lm(model_dir, cfg.model.dtype, self.device)
+        self.sharded = dist_util.shard(self.model, self.device)  # FSDP2 when this role has several ranks
         self.model.requires_grad_(False)
         self.model.eval()
 
@@ -46,6 +48,11 @@ class ReferenceWorker:
 
     def memory(self) -> dict:
         return memory_snapshot()
+
+    def local_shapes(self) -> dict[str, tuple]:
+        """Shapes of this rank's parameter shards (the full shapes when not sharded)."""
+        from torch.distributed.tensor import DTensor
+        return {k: tuple((v.to_local() if isinstance(v, DTensor) else v).shape) for k, v in self.model.state_dict().items()}
 
 
 class PolicyWorker(ReferenceWorker):
@@ -90,8 +97,10 @@ class PolicyWorker(ReferenceWorker):
 
     def _optimizer_step(self, mini: Batch, kl_coef: float) -> dict | None:
         a = self.cfg.algo
-        mask_all = mini["response_mask_BR"].float()
-        counts = {"num_tokens": mask_all.sum(), "num_seqs": float(len(mini))}
+        # denominators of the whole mini-batch across ranks: shards' losses then add up to the global loss
+        counts = {"num_tokens": dist_util.all_reduce_sum(mini["response_mask_BR"].float().sum()),
+                  "num_seqs": dist_util.all_reduce_sum(torch.tensor(float(len(mini))))}
+        world = dist_util.world_size()  # FSDP averages gradients over ranks; scale back to a sum
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for mb in mini.split(self.cfg.train.micro_batch_size):
@@ -111,37 +120,49 @@ class PolicyWorker(ReferenceWorker):
                 kl_loss = agg_loss(kl_BR, mask, a.loss_agg, **counts)
                 loss = loss + kl_coef * kl_loss
                 sums["loss/kl"] = sums.get("loss/kl", 0.0) + kl_loss.item()
-            if not torch.isfinite(loss):
+            # every rank must take the same branch: FSDP's backward is a collective
+            if dist_util.all_reduce_sum(torch.tensor(0.0 if torch.isfinite(loss) else 1.0)) > 0:
                 self.optimizer.zero_grad(set_to_none=True)
                 return None
-            loss.backward()
+            (loss * world).backward()
             sums["loss/policy"] = sums.get("loss/policy", 0.0) + pg_loss.item()
             sums["entropy"] = sums.get("entropy", 0.0) + ent_loss.item()
             for k, v in pg_stats.items():
                 sums[f"actor/{k}"] = sums.get(f"actor/{k}", 0.0) + v * weight.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
-        if not math.isfinite(grad_norm.item()):
+        grad_norm = dist_util.local_scalar(
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip))
+        if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return None
         self.optimizer.step()
-        sums["actor/grad_norm"] = grad_norm.item()
-        return sums
+        keys = sorted(sums)  # shards' contributions -> the mini-batch's values, the same on every rank
+        totals = dist_util.all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
+        out = dict(zip(keys, totals.tolist()))
+        out["actor/grad_norm"] = grad_norm
+        return out
 
     # ---- weights and state ----------------------------------------------------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:
-        """Full weights for the rollout engine (CPU copies: O(model size))."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        """Full CPU weights for the rollout engine on rank 0 ({} elsewhere); gathers when sharded: O(model size).
+        Every rank must be called."""
+        return dist_util.full_model_state(self.model, self.sharded)
 
     def save(self, path: str) -> None:
-        """Weights as safetensors (a loadable HF model dir), optimizer and RNG state as tensors-only files."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(str(path), safe_serialization=True)
-        torch.save({"optimizer": self.optimizer.state_dict(), "rng": rng_state()}, path / "trainer_state.pt")
+        """Weights as safetensors (a loadable HF model dir), optimizer and RNG state as tensors-only files.
+        Every rank must be called (gathers when sharded); rank 0 writes."""
+        state = dist_util.full_model_state(self.model, self.sharded)
+        optim = dist_util.full_optimizer_state(self.model, self.optimizer, self.sharded)
+        if dist_util.rank() == 0:
+            path = Path(path)
+            path.mkdir(parents=True, exist_ok=True)
+            dist_util.save_model_dir(self.model, state, path)
+            torch.save({"optimizer": optim, "rng": rng_state()}, path / "trainer_state.pt")
 
     def load(self, path: str) -> None:
         path = Path(path)
-        load_weights(self.model, read_safetensors(path / "model.safetensors", self.device))
-        extra = torch.load(path / "trainer_state.pt", map_location=self.device, weights_only=True)
-        self.optimizer.load_state_dict(extra["optimizer"])
+        state = read_safetensors(path / "model.safetensors", "cpu" if self.sharded else self.device)
+        dist_util.load_full_model_state(self.model, state, self.sharded)
+        extra = torch.load(path / "trainer_state.pt", map_location="cpu" if self.sharded else self.device,
+                           weights_only=True)
+        dist_util.load_full_optimizer_state(self.model, self.optimizer, extra["optimizer"], self.sharded)
         set_rng_state(extra["rng"])

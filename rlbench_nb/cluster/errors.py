@@ -1,0 +1,48 @@
+"""Errors from workers, told the way a person debugs them: role, rank, method, the user's failing line."""
+from __future__ import annotations
+
+import os
+import traceback
+import types
+
+# Frames under these folders are libraries, not "the user's line".
+_LIBRARY_MARKERS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}", f"{os.sep}lib{os.sep}python3")
+
+
+def user_frame(tb: types.TracebackType | None) -> str | None:
+    """'file:line: source' of the deepest frame outside installed libraries, or None.
+
+    A frame whose line is itself a `raise` (a validation helper) yields to its caller: the caller's
+    line is the one to look at."""
+    frames = [f for f in traceback.extract_tb(tb)
+              if not any(m in f.filename for m in _LIBRARY_MARKERS) or "rlbench_nb" in f.filename]
+    if not frames:
+        return None
+    best = frames[-1]
+    if (best.line or "").lstrip().startswith("raise ") and len(frames) > 1:
+        best = frames[-2]
+    return f"{best.filename}:{best.lineno}: {(best.line or '').strip()}"
+
+
+class WorkerError(RuntimeError):
+    """A worker call failed. `role`, `rank`, `method` say where; `frame` is the failing user line;
+    `remote_traceback` is the full traceback from the worker's process (also for Ray actors)."""
+
+    def __init__(self, role: str, rank: int, method: str, summary: str, frame: str | None = None,
+                 remote_traceback: str = ""):
+        self.role, self.rank, self.method, self.summary = role, rank, method, summary
+        self.frame, self.remote_traceback = frame, remote_traceback
+        where = f"\n  at {frame}" if frame else ""
+        super().__init__(f"{role} rank {rank} failed in {method}(): {summary}{where}")
+
+    def __reduce__(self):
+        return (WorkerError, (self.role, self.rank, self.method, self.summary, self.frame, self.remote_traceback))
+
+    @classmethod
+    def from_exception(cls, role: str, rank: int, method: str, error: BaseException) -> "WorkerError":
+        tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        return cls(role, rank, method, f"{type(error).__name__}: {error}", user_frame(error.__traceback__), tb)
+
+
+class WorkerDiedError(WorkerError):
+    """The worker's process is gone (killed, out of memory, crashed)."""

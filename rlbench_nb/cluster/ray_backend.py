@@ -1,0 +1,224 @@
+"""The `ray` backend: each rank of a role is a persistent Ray actor wrapping the same worker class.
+
+    group = RayWorkerGroup(cfg, "policy", PolicyWorker, 2, cfg, model_dir)
+    group.call_split("compute_logprobs", batch)      # split by rank, run on all at once, concatenate
+
+Ranks of one role are placed with a placement group and joined in a torch.distributed group (gloo on
+CPU, NCCL on GPU) so trainer roles can shard with FSDP2. Every call returns the worker's memory
+snapshot alongside its result (no extra round trip). Failures come back as `WorkerError` /
+`WorkerDiedError` naming role, rank and method, never as a bare Ray traceback.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from ..data.batch import Batch
+from .errors import WorkerDiedError, WorkerError
+from .local import CallRecord
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot be reached, or cannot hold what the config asks for."""
+
+
+_STARTED_BY_US = False
+
+
+def attach(cfg) -> dict:
+    """Connect to Ray: an existing cluster at `cluster.address`, or an embedded one on loopback."""
+    global _STARTED_BY_US
+    import ray
+    c = cfg.cluster
+    if ray.is_initialized():
+        return ray.cluster_resources()
+    t0 = time.time()
+    try:
+        if c.address:
+            ray.init(address=c.address, namespace=c.namespace, log_to_driver=c.log_to_driver)
+        else:
+            ray.init(num_cpus=c.num_cpus or os.cpu_count(), include_dashboard=c.dashboard, namespace=c.namespace,
+                     _node_ip_address="127.0.0.1", log_to_driver=c.log_to_driver)
+            _STARTED_BY_US = True
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        where = f"the Ray cluster at cluster.address={c.address!r}" if c.address else "an embedded Ray"
+        raise ClusterError(f"could not start or reach {where}: {str(e).splitlines()[0]} — check the address "
+                           "(`ray status` on the head), or unset cluster.address for an embedded cluster") from None
+    import logging
+    logging.getLogger(__name__).info("ray attached in %.1fs: %s", time.time() - t0, ray.cluster_resources())
+    return ray.cluster_resources()
+
+
+def shutdown_if_ours() -> None:
+    global _STARTED_BY_US
+    import ray
+    if _STARTED_BY_US and ray.is_initialized():
+        ray.shutdown()
+        _STARTED_BY_US = False
+
+
+class _WorkerActor:
+    """Hosts one rank of one role. Plain class; `ray.remote` is applied in RayWorkerGroup."""
+
+    def __init__(self, role: str, rank: int, world: int, seed: int, num_threads: int):
+        import torch
+        self.role, self.rank, self.world = role, rank, world
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        torch.manual_seed(seed + rank)
+        import random
+        random.seed(seed + rank)
+        self.worker = None
+
+    def address(self) -> tuple[str, int]:
+        import socket
+        import ray
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master: tuple[str, int] | None, worker_cls, args, kwargs) -> int:
+        if master and self.world > 1:
+            import torch
+            import torch.distributed as dist
+            os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+                              WORLD_SIZE=str(self.world))
+            backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world)
+        try:
+            self.worker = worker_cls(*args, **kwargs)
+        except Exception as e:
+            raise WorkerError.from_exception(self.role, self.rank, "__init__", e) from None
+        return self.info()
+
+    def info(self) -> dict:
+        import ray
+        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+                "device": str(getattr(self.worker, "device", "cpu"))}
+
+    def call(self, method: str, *args, **kwargs):
+        from ..roles.common import memory_snapshot
+        try:
+            result = getattr(self.worker, method)(*args, **kwargs)
+        except Exception as e:
+            raise WorkerError.from_exception(self.role, self.rank, method, e) from None
+        return result, memory_snapshot()
+
+
+class RayWorkerGroup:
+    def __init__(self, cfg, role: str, worker_cls, world_size: int, *args, name: str = "run"):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        c = cfg.cluster
+        self.role, self.world_size, self.cfg = role, world_size, cfg
+        self.timeout = c.call_timeout_s
+        self.records: list[CallRecord] = []
+        self.memory: dict[int, dict] = {}
+        self.info: dict[int, dict] = {}  # rank -> pid, node, device
+        bundle = {"CPU": c.cpus_per_worker}
+        if c.gpus_per_worker:
+            bundle["GPU"] = c.gpus_per_worker
+        self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+        if not self.pg.wait(c.placement_timeout_s):
+            ray.util.remove_placement_group(self.pg)
+            raise ClusterError(
+                f"role '{role}' asked for {world_size} x {bundle} but the cluster could not place it within "
+                f"{c.placement_timeout_s:.0f}s; it has {ray.cluster_resources()} in all and "
+                f"{ray.available_resources()} free — lower cluster.train_ranks / cluster.rollout_ranks / "
+                "cluster.cpus_per_worker or add nodes")
+        actor_cls = ray.remote(_WorkerActor)
+        lifetime = "detached" if c.detached else None
+        self.actors = [
+            actor_cls.options(
+                name=f"{name}/{role}/{rank}", namespace=c.namespace, lifetime=lifetime,
+                num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker, max_concurrency=1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+            ).remote(role, rank, world_size, cfg.run.seed, c.num_threads)
+            for rank in range(world_size)]
+        master = self._get([self.actors[0].address.remote()], "address")[0] if world_size > 1 else None
+        infos = self._get([a.setup.remote(master, worker_cls, args, {}) for a in self.actors], "__init__")
+        self.info = dict(enumerate(infos))
+
+    # ---- waiting with clear errors ---------------------------------------------------------------
+    def _get(self, refs: list, method: str) -> list:
+        """Results by rank; the first failure (in whatever rank) is raised at once, naming that rank."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        index = {ref: r for r, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
+        pending, deadline = list(refs), time.time() + self.timeout
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.time(), 0))
+            if not ready:
+                ranks = sorted(index[p] for p in pending)
+                raise WorkerError(self.role, ranks[0], method, f"no answer within cluster.call_timeout_s="
+                                  f"{self.timeout:.0f}s from rank(s) {ranks} (hung, or waiting on a dead peer)")
+            ref = ready[0]
+            rank = index[ref]
+            try:
+                results[rank] = ray.get(ref)
+            except RayTaskError as e:
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, WorkerError):
+                    raise WorkerError(cause.role, cause.rank, cause.method, cause.summary, cause.frame,
+                                      cause.remote_traceback) from None
+                raise WorkerError(self.role, rank, method, str(e).splitlines()[-1], None, str(e)) from None
+            except RayActorError as e:
+                raise WorkerDiedError(self.role, rank, method, f"the worker process died (pid "
+                                      f"{self.info.get(rank, {}).get('pid', '?')}): {str(e).splitlines()[0]} — restart the role "
+                                      f"with sess.restart('{self.role}')") from None
+            except GetTimeoutError:  # pragma: no cover - ray.wait handles the deadline
+                raise
+        return [results[r] for r in range(len(refs))]
+
+    def _calls(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> list:
+        start = time.perf_counter()
+        refs = [a.call.remote(method, *args, **kwargs) for a, args in zip(self.actors, per_rank_args)]
+        out = self._get(refs, method)
+        end = time.perf_counter()
+        for rank, (_, mem) in enumerate(out):
+            self.memory[rank] = mem
+            self.records.append(CallRecord(self.role, rank, method, start, end))
+        del self.records[:-1000]
+        return [res for res, _ in out]
+
+    # ---- dispatch (same surface as LocalWorkerGroup) ---------------------------------------------
+    def call(self, method: str, *args, **kwargs) -> list:
+        """The same arguments to every rank; each argument is stored once in the object store, not per rank."""
+        import ray
+        if self.world_size > 1:
+            args = tuple(ray.put(a) for a in args)  # top-level ObjectRef arguments are resolved by Ray
+        return self._calls(method, [args] * self.world_size, kwargs)
+
+    def call_rank0(self, method: str, *args, **kwargs) -> Any:
+        start = time.perf_counter()
+        res, mem = self._get([self.actors[0].call.remote(method, *args, **kwargs)], method)[0]
+        self.memory[0] = mem
+        self.records.append(CallRecord(self.role, 0, method, start, time.perf_counter()))
+        return res
+
+    def call_shards(self, method: str, batch: Batch, *args, **kwargs) -> list:
+        parts = batch.chunk(self.world_size)
+        return self._calls(method, [(p, *args) for p in parts], kwargs)
+
+    def call_split(self, method: str, batch: Batch, *args, **kwargs) -> Batch:
+        return Batch.cat(self.call_shards(method, batch, *args, **kwargs))
+
+    def refresh_memory(self) -> dict[int, dict]:
+        return self.memory or dict(enumerate(self.call("memory")))
+
+    def close(self) -> None:
+        import ray
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+        self.actors = []
+        try:
+            ray.util.remove_placement_group(self.pg)
+        except Exception:
+            pass

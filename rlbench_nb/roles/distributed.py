@@ -1,0 +1,92 @@
+"""torch.distributed helpers for the trainer roles: FSDP2 sharding and full state dicts.
+
+Under the `local` backend no process group exists and every helper is the plain single-process
+version; under Ray the actor wrapper has already called `init_process_group` (gloo on CPU, NCCL on
+GPU), so the same worker class shards itself with FSDP2.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    if world_size() > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+def shard(model: torch.nn.Module, device: torch.device) -> bool:
+    """FSDP2 (`fully_shard`) each decoder layer, then the root, over all ranks. Returns whether it sharded.
+
+    The mesh is built explicitly on the model's device type: the default mesh picks CUDA when present
+    even for a gloo group.
+    """
+    if world_size() == 1:
+        return False
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device.type, (world_size(),))
+    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), [])
+    for layer in layers:  # one FSDP unit per decoder layer: gathers one layer's weights at a time
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return True
+
+
+def local_scalar(x) -> float:
+    """A Python float from a tensor or DTensor (clip_grad_norm_ returns a DTensor under FSDP2)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(x, DTensor):
+        x = x.full_tensor()
+    return float(x)
+
+
+def full_model_state(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
+    """Full CPU weights on rank 0 ({} on other ranks). A collective when sharded: every rank must call it."""
+    if not sharded:
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_model_state(model: torch.nn.Module, state: dict, sharded: bool) -> None:
+    from .common import load_weights
+    if not sharded:
+        load_weights(model, state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def save_model_dir(model, state: dict[str, torch.Tensor], path) -> None:
+    """A from_pretrained-loadable directory from a full state dict (written by the caller on rank 0)."""
+    from safetensors.torch import save_file
+    model.config.save_pretrained(str(path))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(str(path))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def full_optimizer_state(model, optimizer, sharded: bool) -> dict:
+    if not sharded:
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_optimizer_state(model, optimizer, state: dict, sharded: bool) -> None:
+    if not sharded:
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,106 @@
+"""The Ray backend on a real embedded cluster: FSDP2 ranks, weight sync, clear errors, dead workers."""
+import os
+import signal
+
+import pytest
+import torch
+
+import rlbench_nb as rl
+from rlbench_nb.cluster import WorkerDiedError, WorkerError
+
+ray = pytest.importorskip("ray")
+
+RAY = ["cluster.backend=ray", "run.tensorboard=false", "cluster.num_threads=1"]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One embedded Ray for the module (sessions attach to it and leave it running)."""
+    ray.init(num_cpus=4, include_dashboard=False, namespace="rlbench-nb", _node_ip_address="127.0.0.1",
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _comparable(row):
+    return {k: row[k] for k in ("reward/mean", "loss/policy", "loss/kl", "entropy", "actor/grad_norm",
+                                "actor/clip_frac", "kl/ref")}
+
+
+def test_two_fsdp_ranks_match_one_rank(ray_cluster, small_cfg):
+    """Same global batch: 2 FSDP2 ranks and 1 rank give the same losses and the same updated weights."""
+    results = {}
+    for ranks in (1, 2):
+        sess = rl.Session(small_cfg(*RAY, f"cluster.train_ranks={ranks}", "algo.kl_coef=0.05",
+                                    "train.mini_batches=2", "train.micro_batch_size=4"))
+        assert sess.groups["policy"].world_size == ranks
+        rows = [sess.step() for _ in range(2)]
+        results[ranks] = ([_comparable(r) for r in rows], sess.groups["policy"].call("get_weights")[0])
+        if ranks == 2:  # the policy really is sharded: each rank holds half of a layer's weight
+            shapes = sess.groups["policy"].call("local_shapes")
+            assert shapes[0]["model.layers.0.mlp.up_proj.weight"][0] * 2 == 256
+        sess.close()
+    (rows1, w1), (rows2, w2) = results[1], results[2]
+    for a, b in zip(rows1, rows2):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-5, atol=1e-6)
+
+
+def test_rollout_changes_after_sync_and_not_before(ray_cluster, small_cfg):
+    sess = rl.Session(small_cfg(*RAY, "train.lr=1e-2"))
+    probe = sess._encode(sess.test_data.rows[:16], 1, "probe")
+    greedy = sess.cfg.rollout.model_copy(update={"temperature": 0.0})
+    generate = lambda: sess.groups["rollout"].call_split("generate", probe, greedy)["rollout_logprobs_BR"]
+    before = generate()
+    batch = sess.prepare(sess.score(sess.rollout()))
+    sess.groups["policy"].call_shards("update", batch, 0.0)   # update without the sync
+    torch.testing.assert_close(generate(), before)             # the engine still has the old weights
+    stats = sess.sync_weights()
+    assert stats["sync/bytes"] > 2_000_000 and stats["sync/s"] > 0
+    after = generate()
+    assert after.shape != before.shape or not torch.allclose(after, before)
+    sess.close()
+
+
+def test_remote_error_names_role_rank_method_and_line(ray_cluster, small_cfg):
+    sess = rl.Session(small_cfg(*RAY, "cluster.train_ranks=2"))
+    batch = sess.score(sess.rollout())
+    del batch.tensors["prompt_ids_BP"]
+    with pytest.raises(WorkerError) as e:
+        sess.prepare(batch)
+    err = e.value
+    assert err.role == "policy" and err.method == "compute_logprobs" and err.rank in (0, 1)
+    assert "KeyError" in str(err) and "batch has no field 'prompt_ids_BP'" in str(err)
+    assert "rlbench_nb/roles/common.py" in err.frame and 'batch["prompt_ids_BP"]' in err.frame
+    assert "Traceback (most recent call last)" in err.remote_traceback
+    assert "RayTaskError" not in str(err)
+    sess.close()
+
+
+def test_dead_worker_is_named_and_the_role_restarts(ray_cluster, small_cfg):
+    sess = rl.Session(small_cfg(*RAY, "cluster.train_ranks=2", "cluster.call_timeout_s=60"))
+    sess.step()
+    sess.save("one")
+    sess.step()
+    os.kill(sess.groups["rollout"].info[0]["pid"], signal.SIGKILL)
+    with pytest.raises(WorkerDiedError, match=r"rollout rank 0 failed in generate\(\): the worker process died"):
+        sess.rollout()
+    sess.restart("rollout")
+    assert sess.step()["reward/mean"] >= 0 and sess.step_count == 3
+
+    os.kill(sess.groups["policy"].info[1]["pid"], signal.SIGKILL)
+    with pytest.raises(WorkerError, match=r"policy rank [01] failed in compute_logprobs"):
+        sess.step()
+    sess.restart("policy")  # from the latest checkpoint: the whole session goes back to step 1
+    assert sess.step_count == 1
+    assert sess.step()["reward/mean"] >= 0 and sess.step_count == 2
+    sess.close()
+
+
+def test_impossible_resources_say_what_is_missing(ray_cluster, small_cfg):
+    with pytest.raises(rl.cluster.ray_backend.ClusterError,
+                       match=r"role 'policy' asked for 3 x \{'CPU': 3.0\}.*lower cluster.train_ranks"):
+        rl.Session(small_cfg(*RAY, "cluster.train_ranks=3", "cluster.cpus_per_worker=3",
+                             "cluster.placement_timeout_s=3", "data.batch_size=6"))
