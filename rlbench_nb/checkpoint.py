@@ -41,6 +41,13 @@ def write_atomically(final: Path, write: Callable[[Path], None]) -> None:
     latest_tmp.replace(final.parent / "latest")
 
 
+def write_json(path: Path, data: dict) -> None:
+    """Replace a small JSON file atomically."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
 def resolve(path: Path) -> Path:
     """A checkpoint folder from a checkpoint path, a checkpoints/ folder or a run directory (-> latest)."""
     path = Path(path)

@@ -47,7 +47,7 @@ class _hybridmethod:
 
 class Session:
     def __init__(self, cfg: Config | str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                 run_dir: str | Path | None = None):
+                 run_dir: str | Path | None = None, _attach: bool = False):
         if cfg is None or isinstance(cfg, (str, Path)):
             cfg = Config.load(cfg, overrides)
         elif overrides:
@@ -82,20 +82,54 @@ class Session:
         if cfg.uses_critic:
             self._roles["critic"] = (CriticWorker, (cfg, model_dir))
         self.groups = {}
-        try:
-            for role, (cls, args) in self._roles.items():
-                self.groups[role] = make_group(cfg, role, cls, *args, name=self.run_dir.name)
-        except BaseException:
-            self.close()  # no half-built session keeps actors alive
-            raise
+        if _attach:  # the actors are alive (detached): find them by name
+            from .cluster import world_size_for
+            from .cluster.ray_backend import RayWorkerGroup
+            self.groups = {role: RayWorkerGroup.reattach(cfg, role, world_size_for(cfg, role), self.name)
+                           for role in self._roles}
+        else:
+            try:
+                for role, (cls, args) in self._roles.items():
+                    self.groups[role] = make_group(cfg, role, cls, *args, name=self.name)
+            except BaseException:
+                self.close()  # no half-built session keeps actors alive
+                raise
+            if cfg.cluster.backend == "ray":
+                self.groups["policy"].set_meta({"run_dir": str(self.run_dir.resolve())})
 
         self.kl_ctrl = make_kl_controller(cfg.algo)
         self.step_count = 0
         self.history: list[dict] = []
         self.evals: list[dict] = []
         self._sinks: list = []
+        if _attach:
+            self._load_controller_state(json.loads((self.run_dir / "controller_state.json").read_text()))
         self._open_sinks()
         self.state = "ready"
+
+    @property
+    def name(self) -> str:
+        """The run's name: its directory's name, and the prefix of its Ray actors' names."""
+        return self.run_dir.name
+
+    @classmethod
+    def attach(cls, name: str, address: str | None = "auto", namespace: str = "rlbench-nb") -> "Session":
+        """Pick up a run whose actors outlived their controller (`cluster.detached: true`): same actors,
+        weights, optimizer state and step; the metric history comes from the run directory."""
+        import ray
+        from .cluster.ray_backend import ClusterError
+        if not ray.is_initialized():
+            try:
+                ray.init(address=address, namespace=namespace, log_to_driver=False)
+            except (ConnectionError, RuntimeError) as e:
+                raise ClusterError(f"could not reach the Ray cluster at {address!r}: {str(e).splitlines()[0]}") from None
+        try:
+            policy0 = ray.get_actor(f"{name}/policy/0", namespace=namespace)
+        except ValueError:
+            raise ClusterError(f"no run named '{name}' in Ray namespace '{namespace}' (live runs: "
+                               f"{sorted({a['name'].split('/')[0] for a in ray.util.list_named_actors(True) if a['namespace'] == namespace})})") from None
+        run_dir = Path(ray.get(policy0.get_meta.remote())["run_dir"])
+        return cls(Config.load(run_dir / "config.yaml"), run_dir=run_dir, _attach=True)
 
     def _open_sinks(self) -> None:
         self._sinks = [JSONLSink(self.run_dir / "metrics.jsonl")]
@@ -233,6 +267,7 @@ class Session:
         m["time/step_s"] = sum(m.get(f"time/{p}_s", 0.0) for p in ("rollout", "score", "prepare", "update"))
         self.step_count += 1
         self._log(m)
+        checkpoint.write_json(self.run_dir / "controller_state.json", self._controller_state())
         k = self.cfg.run.save_rollouts_every
         if k and self.step_count % k == 0:
             self.save_rollouts(batch)
@@ -362,8 +397,7 @@ class Session:
     def _save(self, name: str) -> Path:
         """A checkpoint that resumes exactly: weights, optimizer, RNG, data position, step, KL controller."""
         final = self._ckpt_path(name)
-        controller = {"step": self.step_count, "sampler": self.sampler.state_dict(),
-                      "kl_ctrl": self.kl_ctrl.state_dict(), "evals": self.evals, "run_dir": str(self.run_dir)}
+        controller = self._controller_state()
 
         def write(tmp: Path) -> None:
             self.cfg.save(tmp / "config.yaml")
@@ -371,29 +405,38 @@ class Session:
             self.groups["policy"].call("save", str(tmp / "policy"))  # all ranks: gathers when sharded
             if "critic" in self.groups:
                 self.groups["critic"].call("save", str(tmp / "critic"))
-            torch.save(self.groups["rollout"].call_rank0("get_state"), tmp / "rollout_state.pt")
+            torch.save(self.groups["rollout"].call("get_state"), tmp / "rollout_state.pt")
 
         checkpoint.write_atomically(final, write)
         return final
 
     def _restore(self, name: str | Path) -> "Session":
         path = checkpoint.resolve(Path(name) if Path(name).exists() else self._ckpt_path(name))
-        controller = json.loads((path / "controller.json").read_text())
         self.groups["policy"].call("load", str(path / "policy"))
         if "critic" in self.groups:
             self.groups["critic"].call("load", str(path / "critic"))
         self.sync_weights()
-        rollout_state = torch.load(path / "rollout_state.pt", weights_only=True)
-        self.groups["rollout"].call("set_state", rollout_state)
-        self.step_count = controller["step"]
-        self.sampler.load_state_dict(controller["sampler"])
-        self.kl_ctrl.load_state_dict(controller["kl_ctrl"])
-        self.evals = controller["evals"]
-        for s in self._sinks:  # the metrics file is rewritten below: reopen after
+        states = torch.load(path / "rollout_state.pt", weights_only=True)  # one per rollout rank
+        if len(states) != self.groups["rollout"].world_size:
+            raise checkpoint.CheckpointError(f"checkpoint {path} has {len(states)} rollout rank(s); this session has "
+                                             f"{self.groups['rollout'].world_size}: set cluster.rollout_ranks to match")
+        self.groups["rollout"].call_each("set_state", [(s,) for s in states])
+        for s in self._sinks:  # the metrics file is rewritten when the state loads: reopen after
             s.close()
-        self.history = checkpoint.truncate_metrics(self.run_dir / "metrics.jsonl", self.step_count)
+        self._load_controller_state(json.loads((path / "controller.json").read_text()))
         self._open_sinks()
         return self
+
+    def _controller_state(self) -> dict:
+        return {"step": self.step_count, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "evals": self.evals, "run_dir": str(self.run_dir)}
+
+    def _load_controller_state(self, state: dict) -> None:
+        self.step_count = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.evals = state["evals"]
+        self.history = checkpoint.truncate_metrics(self.run_dir / "metrics.jsonl", self.step_count)
 
     @classmethod
     def _load_new(cls, path: str | Path, run_dir: str | Path | None = None, overrides=()) -> "Session":

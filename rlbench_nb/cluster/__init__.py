@@ -1,10 +1,18 @@
 """Where role workers run. `make_group(cfg, role, cls, ...)` picks the backend from `cfg.cluster.backend`."""
 from __future__ import annotations
 
+import os
+
 from .errors import WorkerDiedError, WorkerError
 from .local import CallRecord, LocalWorkerGroup
 
 TRAINER_ROLES = ("policy", "reference", "critic")
+
+# Ray >= 2.59 protects clusters started on this machine (`ray start --head`) with the token in
+# ~/.ray/auth_token, but a driver joining by address sends it only if RAY_AUTH_MODE=token is set before
+# ray is imported: set it here, early, when that token exists.
+if os.path.exists(os.path.expanduser("~/.ray/auth_token")):
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def world_size_for(cfg, role: str) -> int:

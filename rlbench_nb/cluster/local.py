@@ -49,6 +49,10 @@ class LocalWorkerGroup:
         """Call `method` on every rank with the same arguments; a list of results by rank."""
         return [self._run(r, method, getattr(w, method), *args, **kwargs) for r, w in enumerate(self.workers)]
 
+    def call_each(self, method: str, per_rank_args: list[tuple]) -> list:
+        """Rank r gets `per_rank_args[r]`."""
+        return [self._run(r, method, getattr(w, method), *a) for r, (w, a) in enumerate(zip(self.workers, per_rank_args))]
+
     def call_rank0(self, method: str, *args, **kwargs) -> Any:
         return self._run(0, method, getattr(self.workers[0], method), *args, **kwargs)
 

@@ -39,12 +39,13 @@ def attach(cfg) -> dict:
             ray.init(address=c.address, namespace=c.namespace, log_to_driver=c.log_to_driver)
         else:
             ray.init(num_cpus=c.num_cpus or os.cpu_count(), include_dashboard=c.dashboard, namespace=c.namespace,
-                     _node_ip_address="127.0.0.1", log_to_driver=c.log_to_driver)
+                     log_to_driver=c.log_to_driver)
             _STARTED_BY_US = True
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = f"the Ray cluster at cluster.address={c.address!r}" if c.address else "an embedded Ray"
         raise ClusterError(f"could not start or reach {where}: {str(e).splitlines()[0]} — check the address "
-                           "(`ray status` on the head), or unset cluster.address for an embedded cluster") from None
+                           "(`ray status` on the head), that RAY_AUTH_MODE=token was set before ray was imported "
+                           "when the cluster uses a token, or unset cluster.address for an embedded cluster") from None
     import logging
     logging.getLogger(__name__).info("ray attached in %.1fs: %s", time.time() - t0, ray.cluster_resources())
     return ray.cluster_resources()
@@ -70,6 +71,13 @@ class _WorkerActor:
         import random
         random.seed(seed + rank)
         self.worker = None
+        self.meta: dict = {}  # what a controller attaching later needs to find (e.g. the run directory)
+
+    def set_meta(self, meta: dict) -> None:
+        self.meta = dict(meta)
+
+    def get_meta(self) -> dict:
+        return self.meta
 
     def address(self) -> tuple[str, int]:
         import socket
@@ -121,7 +129,8 @@ class RayWorkerGroup:
         bundle = {"CPU": c.cpus_per_worker}
         if c.gpus_per_worker:
             bundle["GPU"] = c.gpus_per_worker
-        self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+        self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK",
+                                  name=f"{name}/{role}", lifetime="detached" if c.detached else None)
         if not self.pg.wait(c.placement_timeout_s):
             ray.util.remove_placement_group(self.pg)
             raise ClusterError(
@@ -141,6 +150,28 @@ class RayWorkerGroup:
         master = self._get([self.actors[0].address.remote()], "address")[0] if world_size > 1 else None
         infos = self._get([a.setup.remote(master, worker_cls, args, {}) for a in self.actors], "__init__")
         self.info = dict(enumerate(infos))
+
+    @classmethod
+    def reattach(cls, cfg, role: str, world_size: int, name: str) -> "RayWorkerGroup":
+        """The group of live named actors '<name>/<role>/<rank>' (e.g. detached ones after a kernel restart)."""
+        import ray
+        self = cls.__new__(cls)
+        self.role, self.world_size, self.cfg = role, world_size, cfg
+        self.timeout = cfg.cluster.call_timeout_s
+        self.records, self.memory = [], {}
+        try:
+            self.actors = [ray.get_actor(f"{name}/{role}/{rank}", namespace=cfg.cluster.namespace)
+                           for rank in range(world_size)]
+            self.pg = ray.util.get_placement_group(f"{name}/{role}")
+        except ValueError:
+            raise ClusterError(f"no live actors named '{name}/{role}/*' in Ray namespace "
+                               f"'{cfg.cluster.namespace}': the run was closed, or its actors were not detached "
+                               "(cluster.detached: true)") from None
+        self.info = dict(enumerate(self._get([a.info.remote() for a in self.actors], "info")))
+        return self
+
+    def set_meta(self, meta: dict) -> None:
+        self._get([a.set_meta.remote(meta) for a in self.actors], "set_meta")
 
     # ---- waiting with clear errors ---------------------------------------------------------------
     def _get(self, refs: list, method: str) -> list:
@@ -192,6 +223,10 @@ class RayWorkerGroup:
         if self.world_size > 1:
             args = tuple(ray.put(a) for a in args)  # top-level ObjectRef arguments are resolved by Ray
         return self._calls(method, [args] * self.world_size, kwargs)
+
+    def call_each(self, method: str, per_rank_args: list[tuple]) -> list:
+        """Rank r gets `per_rank_args[r]`."""
+        return self._calls(method, per_rank_args, {})
 
     def call_rank0(self, method: str, *args, **kwargs) -> Any:
         start = time.perf_counter()

@@ -16,8 +16,7 @@ RAY = ["cluster.backend=ray", "run.tensorboard=false", "cluster.num_threads=1"]
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One embedded Ray for the module (sessions attach to it and leave it running)."""
-    ray.init(num_cpus=4, include_dashboard=False, namespace="rlbench-nb", _node_ip_address="127.0.0.1",
-             log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, namespace="rlbench-nb", log_to_driver=False)
     yield
     ray.shutdown()
 

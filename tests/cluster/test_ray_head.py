@@ -1,0 +1,104 @@
+"""Attach to a real `ray start --head` cluster, survive a killed controller, and leave nothing behind."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ..conftest import REPO, SMALL
+
+pytest.importorskip("ray")
+RAY_CLI = os.path.join(os.path.dirname(sys.executable), "ray")
+
+
+def ray_processes() -> list[str]:
+    out = subprocess.run(["pgrep", "-af", "gcs_server|raylet|default_worker"], capture_output=True, text=True)
+    return [l for l in out.stdout.splitlines() if "pgrep" not in l]
+
+
+def wait_no_ray_processes(timeout=30):
+    deadline = time.time() + timeout
+    while ray_processes() and time.time() < deadline:
+        time.sleep(0.5)
+    return ray_processes()
+
+
+@pytest.fixture
+def ray_head():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    subprocess.run([RAY_CLI, "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
+                    "--disable-usage-stats"], check=True, timeout=180, capture_output=True,
+                   env={**os.environ, "RAY_AUTH_MODE": "token"})  # the token in ~/.ray/auth_token, as documented
+    yield f"127.0.0.1:{port}"  # the GCS listens on every interface of this machine (Ray's choice), loopback included
+    subprocess.run([RAY_CLI, "stop", "--force"], timeout=180, capture_output=True)
+
+
+CONTROLLER = """
+import hashlib, json, sys, time, transformers
+transformers.logging.disable_progress_bar()
+import rlbench_nb as rl
+
+def digest(sess):
+    w = sess.groups["policy"].call("get_weights")[0]
+    return hashlib.sha256(b"".join(w[k].numpy().tobytes() for k in sorted(w))).hexdigest()
+
+mode, out = sys.argv[1], sys.argv[2]
+if mode == "first":
+    sess = rl.Session(rl.Config.load(None, sys.argv[3:]))
+    for _ in range(3):
+        sess.step()
+    json.dump({"name": sess.name, "digest": digest(sess), "run_dir": str(sess.run_dir)}, open(out, "w"))
+    time.sleep(600)  # killed by the test
+else:
+    sess = rl.Session.attach(sys.argv[3], address=sys.argv[4])
+    before = {"step": sess.step_count, "digest": digest(sess), "history": len(sess.history)}
+    row = sess.step()
+    json.dump({**before, "after_step": sess.step_count, "reward": row["reward/mean"]}, open(out, "w"))
+    sess.close()
+"""
+
+
+def test_killed_controller_reattaches_to_detached_actors(ray_head, tmp_path):
+    first_out, second_out = tmp_path / "first.json", tmp_path / "second.json"
+    args = [*SMALL, f"run.dir={tmp_path / 'runs'}", "run.tensorboard=false", "cluster.backend=ray",
+            f"cluster.address={ray_head}", "cluster.detached=true", "cluster.train_ranks=2", "cluster.num_threads=1"]
+    first = subprocess.Popen([sys.executable, "-c", CONTROLLER, "first", str(first_out), *args], cwd=REPO)
+    deadline = time.time() + 300
+    while not first_out.exists() and time.time() < deadline and first.poll() is None:
+        time.sleep(0.5)
+    time.sleep(0.5)
+    assert first_out.exists(), "the first controller did not finish its 3 steps"
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    before = json.loads(first_out.read_text())
+    subprocess.run([sys.executable, "-c", CONTROLLER, "second", str(second_out), before["name"], ray_head],
+                   cwd=REPO, check=True, timeout=300)
+    after = json.loads(second_out.read_text())
+    assert after["step"] == 3 and after["history"] == 3 and after["after_step"] == 4
+    assert after["digest"] == before["digest"]  # the same weights, held by the same actors
+    rows = [json.loads(l) for l in open(os.path.join(before["run_dir"], "metrics.jsonl"))]
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4]
+
+
+def test_attach_to_a_missing_run_is_clear(ray_head):
+    out = subprocess.run([sys.executable, "-c", "import rlbench_nb as rl; rl.Session.attach('nope', address=%r)" % ray_head],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "ClusterError: no run named 'nope' in Ray namespace 'rlbench-nb'" in out.stderr
+
+
+def test_embedded_cluster_leaves_no_process_behind(tmp_path):
+    assert not wait_no_ray_processes(), "Ray processes from an earlier test are still running"
+    script = ("import rlbench_nb as rl, sys; s = rl.Session(rl.Config.load(None, sys.argv[1:])); s.step(); "
+              "print(s); s.close()")
+    out = subprocess.run([sys.executable, "-c", script, *SMALL, f"run.dir={tmp_path}", "cluster.backend=ray",
+                          "run.tensorboard=false"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "policy     rank 0  node=" in out.stdout
+    assert not wait_no_ray_processes(), "close() must stop the embedded cluster it started"
