@@ -171,11 +171,17 @@ class Session:
     # ---- phases ---------------------------------------------------------------------------------
     def rollout(self, rows: list[dict] | None = None) -> Batch:
         """Generate `rollout.n` responses for each of the next `data.batch_size` training prompts (or `rows`)."""
+        return self._finish_rollout(self._start_rollout(rows))
+
+    def _start_rollout(self, rows: list[dict] | None = None) -> tuple:
         if rows is None:
             rows = [self.train_data.rows[i] for i in self.sampler.next_indices()]
         batch = self._encode(rows, self.cfg.rollout.n, tag=f"s{self.step_count}")
-        t0 = time.perf_counter()
-        batch.update(self.groups["rollout"].call_split("generate", batch))
+        return batch, self.groups["rollout"].submit_shards("generate", batch), time.perf_counter()
+
+    def _finish_rollout(self, started: tuple) -> Batch:
+        batch, handle, t0 = started
+        batch.update(Batch.cat(self.groups["rollout"].collect(handle)))
         dt = time.perf_counter() - t0
         self._decode(batch)
         lens = batch["response_mask_BR"].sum(-1).float()
@@ -215,7 +221,11 @@ class Session:
         """Old log-probs (policy), reference log-probs and KL, values (critic), advantages and returns."""
         a = self.cfg.algo
         t0 = time.perf_counter()
-        batch.update(self.groups["policy"].call_split("compute_logprobs", batch))
+        if batch.info.get("off_policy"):
+            # one step off-policy: the importance ratio is against the policy that generated the batch
+            batch["old_logprobs_BR"] = batch["rollout_logprobs_BR"]
+        else:
+            batch.update(self.groups["policy"].call_split("compute_logprobs", batch))
         mask = batch["response_mask_BR"].float()
         m = batch.info.setdefault("metrics", {})
         rewards = batch["token_rewards_BR"]
@@ -264,7 +274,9 @@ class Session:
         for role, group in self.groups.items():
             mem = group.refresh_memory()
             m[f"memory/{role}_peak_gb"] = max(v["peak_rss_gb"] for v in mem.values())
-        m["time/step_s"] = sum(m.get(f"time/{p}_s", 0.0) for p in ("rollout", "score", "prepare", "update"))
+        # phases in sequence add up; overlapped (async) steps report their wall time
+        m["time/step_s"] = time.perf_counter() - batch.info["wall_start"] if "wall_start" in batch.info else \
+            sum(m.get(f"time/{p}_s", 0.0) for p in ("rollout", "score", "prepare", "update"))
         self.step_count += 1
         self._log(m)
         checkpoint.write_json(self.run_dir / "controller_state.json", self._controller_state())
@@ -304,10 +316,13 @@ class Session:
         """One iteration: rollout -> score -> prepare -> update. Returns the step's metrics row."""
         return self.update(self.prepare(self.score(self.rollout())))
 
-    def run(self, steps: int | None = None, progress: bool = True) -> dict:
+    def run(self, steps: int | None = None, progress: bool = True, async_rollout: bool = False) -> dict:
         """`steps` iterations (default run.steps) with a progress bar; held-out accuracy before and after.
 
-        Writes `summary.json` into the run directory and returns it.
+        With `async_rollout=True` the next batch is generated while this one is scored, prepared and
+        trained on (one step off-policy; the loss's importance ratio uses the generating policy's
+        log-probs). Under the `local` backend there is nothing to overlap with, so it only changes which
+        weights generate. Writes `summary.json` into the run directory and returns it.
         """
         from tqdm.auto import tqdm
         steps = self.cfg.run.steps if steps is None else steps
@@ -318,8 +333,17 @@ class Session:
                 self.evaluate()
             before = self.evals[0]
             bar = tqdm(total=steps, desc="train", disable=not progress, dynamic_ncols=True)
-            for _ in range(steps):
-                row = self.step()
+            pending = self._start_rollout() if async_rollout and steps else None
+            for i in range(steps):
+                if pending is None:
+                    row = self.step()
+                else:
+                    t_step = time.perf_counter()
+                    batch = self._finish_rollout(pending)
+                    batch.info.update(off_policy=True, wall_start=t_step)
+                    # queued before this update's weight sync: generated with the weights of this step
+                    pending = self._start_rollout() if i + 1 < steps else None
+                    row = self.update(self.prepare(self.score(batch)))
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward/mean']:.3f}", step_s=f"{row['time/step_s']:.2f}")
                 if self.cfg.run.eval_every and self.step_count % self.cfg.run.eval_every == 0:

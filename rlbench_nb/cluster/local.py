@@ -62,6 +62,13 @@ class LocalWorkerGroup:
         return [self._run(r, method, getattr(w, method), p, *args, **kwargs)
                 for r, (w, p) in enumerate(zip(self.workers, parts))]
 
+    def submit_shards(self, method: str, batch: Batch, *args, **kwargs) -> list:
+        """In-process there is nothing to overlap with: runs now; `collect` returns the results."""
+        return self.call_shards(method, batch, *args, **kwargs)
+
+    def collect(self, handle: list) -> list:
+        return handle
+
     def call_split(self, method: str, batch: Batch, *args, **kwargs) -> Batch:
         """`call_shards`, with the ranks' result batches concatenated back in order."""
         return Batch.cat(self.call_shards(method, batch, *args, **kwargs))

@@ -64,6 +64,8 @@ class _WorkerActor:
 
     def __init__(self, role: str, rank: int, world: int, seed: int, num_threads: int):
         import torch
+        import transformers
+        transformers.logging.disable_progress_bar()  # one bar per actor per load is noise in a notebook
         self.role, self.rank, self.world = role, rank, world
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -206,8 +208,18 @@ class RayWorkerGroup:
         return [results[r] for r in range(len(refs))]
 
     def _calls(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> list:
-        start = time.perf_counter()
+        return self.collect(self._submit(method, per_rank_args, kwargs))
+
+    def _submit(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> tuple:
         refs = [a.call.remote(method, *args, **kwargs) for a, args in zip(self.actors, per_rank_args)]
+        return method, refs, time.perf_counter()
+
+    def submit_shards(self, method: str, batch: Batch, *args, **kwargs) -> tuple:
+        """Start `call_shards` without waiting; `collect(handle)` gives the results. Lets roles overlap."""
+        return self._submit(method, [(p, *args) for p in batch.chunk(self.world_size)], kwargs)
+
+    def collect(self, handle: tuple) -> list:
+        method, refs, start = handle
         out = self._get(refs, method)
         end = time.perf_counter()
         for rank, (_, mem) in enumerate(out):

@@ -103,3 +103,18 @@ def test_impossible_resources_say_what_is_missing(ray_cluster, small_cfg):
                        match=r"role 'policy' asked for 3 x \{'CPU': 3.0\}.*lower cluster.train_ranks"):
         rl.Session(small_cfg(*RAY, "cluster.train_ranks=3", "cluster.cpus_per_worker=3",
                              "cluster.placement_timeout_s=3", "data.batch_size=6"))
+
+
+def test_async_run_overlaps_rollout_with_training(ray_cluster, small_cfg):
+    from benchmarks.async_overlap import overlap_fraction
+    sess = rl.Session(small_cfg(*RAY, "cluster.train_ranks=2"))
+    sess.step()
+    t0 = sess.groups["rollout"].records[-1].end
+    summary = sess.run(steps=3, progress=False, async_rollout=True)
+    assert summary["steps"] == 4 and [r["step"] for r in sess.history] == [1, 2, 3, 4]
+    # the timeline shows generation of batch k+1 running while batch k trains
+    gens = [r for r in sess.groups["rollout"].records if r.method == "generate" and r.start > t0]
+    updates = [r for r in sess.groups["policy"].records if r.method == "update" and r.start > t0]
+    assert any(g.start < u.end and u.start < g.end for g in gens for u in updates)
+    assert overlap_fraction(sess.groups, t0) > 0
+    sess.close()
