@@ -32,11 +32,13 @@ def ray_head():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    subprocess.run([RAY_CLI, "get-auth-token", "--generate"], check=True, timeout=60, capture_output=True)
     subprocess.run([RAY_CLI, "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
                     "--disable-usage-stats"], check=True, timeout=180, capture_output=True,
                    env={**os.environ, "RAY_AUTH_MODE": "token"})  # the token in ~/.ray/auth_token, as documented
     yield f"127.0.0.1:{port}"  # the GCS listens on every interface of this machine (Ray's choice), loopback included
     subprocess.run([RAY_CLI, "stop", "--force"], timeout=180, capture_output=True)
+    assert not wait_no_ray_processes(), "ray stop left processes behind"
 
 
 CONTROLLER = """
