@@ -117,8 +117,10 @@ class Session:
         """Pick up a run whose actors outlived their controller (`cluster.detached: true`): same actors,
         weights, optimizer state and step; the metric history comes from the run directory."""
         import ray
-        from .cluster.ray_backend import ClusterError
+        from .cluster.ray_backend import ClusterError, _check_reachable
         if not ray.is_initialized():
+            if address and address != "auto":
+                _check_reachable(address)
             try:
                 ray.init(address=address, namespace=namespace, log_to_driver=False)
             except (ConnectionError, RuntimeError) as e:

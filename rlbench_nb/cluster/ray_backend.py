@@ -34,6 +34,8 @@ def attach(cfg) -> dict:
     if ray.is_initialized():
         return ray.cluster_resources()
     t0 = time.time()
+    if c.address and c.address != "auto":
+        _check_reachable(c.address)  # ray.init itself retries for many minutes on a dead address
     try:
         if c.address:
             ray.init(address=c.address, namespace=c.namespace, log_to_driver=c.log_to_driver)
@@ -49,6 +51,19 @@ def attach(cfg) -> dict:
     import logging
     logging.getLogger(__name__).info("ray attached in %.1fs: %s", time.time() - t0, ray.cluster_resources())
     return ray.cluster_resources()
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    import socket
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as e:
+        raise ClusterError(f"could not start or reach the Ray cluster at cluster.address={address!r}: nothing "
+                           f"answers there ({e}) — start it with `ray start --head`, check the address "
+                           "(`ray status` on the head), or unset cluster.address for an embedded cluster") from None
 
 
 def shutdown_if_ours() -> None:

@@ -104,3 +104,16 @@ def test_embedded_cluster_leaves_no_process_behind(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "policy     rank 0  node=" in out.stdout
     assert not wait_no_ray_processes(), "close() must stop the embedded cluster it started"
+
+
+def test_unreachable_address_is_a_clear_error_not_a_hang(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket closes
+    script = "import rlbench_nb as rl, sys; rl.Session(rl.Config.load(None, sys.argv[1:]))"
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", script, *SMALL, f"run.dir={tmp_path}", "cluster.backend=ray",
+                          f"cluster.address=127.0.0.1:{port}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert f"ClusterError: could not start or reach the Ray cluster at cluster.address='127.0.0.1:{port}'" in out.stderr
+    assert time.time() - t0 < 120
