@@ -4,6 +4,7 @@
     rlbench-nb train configs/arith_ppo.yaml algo.kl_coef=0.01 --steps 20
     rlbench-nb train --resume runs/arith-grpo                # continue from the run's latest checkpoint
     rlbench-nb train --help                                  # every config field, its default and meaning
+    rlbench-nb export notebooks/01_quickstart.ipynb -o train.py   # the notebook as a batch script
 """
 from __future__ import annotations
 
@@ -68,10 +69,28 @@ def train(argv: list[str]) -> int:
     return 0
 
 
+def export(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="rlbench-nb export", description="Notebook -> batch script (never executes it).")
+    p.add_argument("notebook")
+    p.add_argument("-o", "--output", help="output file (default: the notebook's name with .py)")
+    p.add_argument("--format", default="script", choices=["script", "py:percent"],
+                   help="'script': runnable with flags; 'py:percent': jupytext round trip, tags kept")
+    args = p.parse_args(argv)
+    from .export import ExportError, export as do_export
+    from pathlib import Path
+    try:
+        out = do_export(args.notebook, args.output or Path(args.notebook).with_suffix(".py").name, args.format)
+    except ExportError as e:
+        print(f"rlbench-nb export: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    commands = {"train": train}
+    commands = {"train": train, "export": export}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         return 0 if not argv or argv[0] in ("-h", "--help") else 2

@@ -194,9 +194,7 @@ class Config(_Section):
     def load(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> "Config":
         data: dict = {}
         if path is not None:
-            path = Path(path)
-            if not path.exists():
-                raise ConfigError(f"config file not found: {path}")
+            path = _find(Path(path))
             try:
                 data = yaml.safe_load(path.read_text()) or {}
             except yaml.YAMLError as e:
@@ -240,6 +238,19 @@ def help_text() -> str:
         for k, f in sec.model_fields.items():
             lines.append(f"  {s}.{k:<22} = {f.default!r:<14} {f.description}")
     return "\n".join(lines)
+
+
+def _find(path: Path) -> Path:
+    """`path`, or for a relative path not found here, the same path under a parent folder: a notebook
+    in notebooks/ can say "configs/arith_grpo.yaml" like a script at the repository root."""
+    if path.exists() or path.is_absolute():
+        if not path.exists():
+            raise ConfigError(f"config file not found: {path}")
+        return path
+    for parent in list(Path.cwd().parents)[:3]:
+        if (parent / path).exists():
+            return parent / path
+    raise ConfigError(f"config file not found: {path} (looked in {Path.cwd()} and its parents)")
 
 
 def _deep_copy(d):
