@@ -122,3 +122,43 @@ def test_notebook_and_exported_script_give_the_same_run(tmp_path):
     a, b = _training_rows(tmp_path / "nb" / "metrics.jsonl"), _training_rows(tmp_path / "script" / "metrics.jsonl")
     assert [r["step"] for r in a] == [1, 2, 3]
     assert a == b
+
+
+@pytest.mark.slow
+def test_exported_script_runs_as_a_ray_job(tmp_path):
+    """`ray job submit` against a head with the dashboard on loopback: the job succeeds and writes metrics."""
+    import os
+    import socket
+    import time
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    gcs, dash = ports
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    subprocess.run([ray_cli, "get-auth-token", "--generate"], check=True, capture_output=True, env=env)
+    subprocess.run([ray_cli, "start", "--head", f"--port={gcs}", "--num-cpus=2", "--include-dashboard=true",
+                    "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--disable-usage-stats"],
+                   check=True, capture_output=True, timeout=180, env=env)
+    try:
+        deadline = time.time() + 120  # the dashboard's job API comes up a little after `ray start` returns
+        while subprocess.run([ray_cli, "job", "list", "--address", f"http://127.0.0.1:{dash}"], capture_output=True,
+                             timeout=60, env=env).returncode != 0 and time.time() < deadline:
+            time.sleep(2)
+        export(REPO / "notebooks/01_quickstart.ipynb", tmp_path / "train.py")
+        job_dir = tmp_path / "job"
+        job_dir.mkdir()
+        (job_dir / "train.py").write_text((tmp_path / "train.py").read_text())
+        run_dir = tmp_path / "runs" / "job"
+        out = subprocess.run(
+            [ray_cli, "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir", str(job_dir), "--",
+             "python", "train.py", "--steps", "2", "--config", str(REPO / "configs/arith_grpo.yaml"),
+             "--run-dir", str(run_dir), *SMALL, "run.tensorboard=false"],
+            capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+        assert "succeeded" in out.stdout
+        assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r] == [1, 2, 3]
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=180)

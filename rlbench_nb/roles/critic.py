@@ -27,7 +27,7 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-        return self.head(h).squeeze(-1).float()
+        return self.head(h).squeeze(-1).float().clone()  # not a view: FSDP2's backward hooks need a fresh tensor
 
 
 class CriticWorker:
