@@ -9,4 +9,15 @@ from .data.batch import Batch
 from .session import Session
 
 __all__ = ["Batch", "Config", "ConfigError", "Session"]
+
+
+def load_ipython_extension(ip):
+    """`%load_ext rlbench_nb`: readable worker errors and the `%rl` magic."""
+    from .ipython import load_ipython_extension as load
+    load(ip)
+
+
+def unload_ipython_extension(ip):
+    from .ipython import unload_ipython_extension as unload
+    unload(ip)
 __version__ = "0.1.0"

@@ -5,6 +5,7 @@
     rlbench-nb train --resume runs/arith-grpo                # continue from the run's latest checkpoint
     rlbench-nb train --help                                  # every config field, its default and meaning
     rlbench-nb export notebooks/01_quickstart.ipynb -o train.py   # the notebook as a batch script
+    rlbench-nb kernel install [--ray-address HOST:PORT]      # the Jupyter kernel, extension loaded
 """
 from __future__ import annotations
 
@@ -87,10 +88,24 @@ def export(argv: list[str]) -> int:
     return 0
 
 
+def kernel(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="rlbench-nb kernel", description="Install the Jupyter kernel for this environment.")
+    p.add_argument("action", choices=["install"])
+    p.add_argument("--name", default="rlbench-nb")
+    p.add_argument("--display-name", default="Python (rlbench-nb)")
+    p.add_argument("--ray-address", help="Ray cluster every session in this kernel attaches to (sets RAY_ADDRESS)")
+    p.add_argument("--prefix", help="install under PREFIX/share/jupyter/kernels instead of the user's folder")
+    args = p.parse_args(argv)
+    from .kernelspec import install
+    path = install(args.name, args.display_name, args.ray_address, prefix=args.prefix)
+    print(f"installed kernel '{args.name}' in {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    commands = {"train": train, "export": export}
+    commands = {"train": train, "export": export, "kernel": kernel}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         return 0 if not argv or argv[0] in ("-h", "--help") else 2

@@ -106,6 +106,8 @@ class Session:
             self._load_controller_state(json.loads((self.run_dir / "controller_state.json").read_text()))
         self._open_sinks()
         self.state = "ready"
+        from .ipython import register
+        register(self)
 
     @property
     def name(self) -> str:
