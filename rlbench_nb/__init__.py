@@ -8,7 +8,13 @@ from .config import Config, ConfigError
 from .data.batch import Batch
 from .session import Session
 
-__all__ = ["Batch", "Config", "ConfigError", "Session"]
+__all__ = ["Batch", "Config", "ConfigError", "Session", "inspect"]
+
+
+def inspect(source, tokenizer=None):
+    """Rollout inspector for a Batch or a saved rollouts file (rollouts/step_N.jsonl)."""
+    from .widgets.inspector import inspect as _inspect
+    return _inspect(source, tokenizer)
 
 
 def load_ipython_extension(ip):

@@ -18,7 +18,10 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .runner import RunControl
 
 import torch
 
@@ -102,6 +105,9 @@ class Session:
         self.history: list[dict] = []
         self.evals: list[dict] = []
         self._sinks: list = []
+        self._listeners: list[Callable[[dict], None]] = []  # called with each step's row (the dashboard)
+        self._pending_error: BaseException | None = None    # a background run's failure, raised on next use
+        self.background = None                               # the BackgroundRun, when one was started
         if _attach:
             self._load_controller_state(json.loads((self.run_dir / "controller_state.json").read_text()))
         self._open_sinks()
@@ -283,6 +289,8 @@ class Session:
             sum(m.get(f"time/{p}_s", 0.0) for p in ("rollout", "score", "prepare", "update"))
         self.step_count += 1
         self._log(m)
+        for listener in list(self._listeners):
+            listener(m)
         checkpoint.write_json(self.run_dir / "controller_state.json", self._controller_state())
         k = self.cfg.run.save_rollouts_every
         if k and self.step_count % k == 0:
@@ -320,14 +328,61 @@ class Session:
         """One iteration: rollout -> score -> prepare -> update. Returns the step's metrics row."""
         return self.update(self.prepare(self.score(self.rollout())))
 
-    def run(self, steps: int | None = None, progress: bool = True, async_rollout: bool = False) -> dict:
+    # ---- background runs and the dashboard -------------------------------------------------------
+    def _raise_pending_error(self) -> None:
+        if self._pending_error is not None:
+            err, self._pending_error = self._pending_error, None
+            raise RuntimeError(f"the background run failed at step {self.step_count + 1}: "
+                               f"{type(err).__name__}: {err}") from err
+
+    def pause(self) -> None:
+        """Pause the background run at the next step boundary."""
+        if self.background:
+            self.background.pause()
+
+    def resume(self) -> None:
+        if self.background:
+            self.background.resume()
+
+    def stop(self) -> None:
+        """Stop the background run at the next step boundary (it still writes its summary and checkpoint)."""
+        if self.background:
+            self.background.stop()
+
+    def dashboard(self, max_points: int = 500):
+        """Live widget: reward, accuracy, length, KL, entropy, losses, clipping, grad norm, throughput,
+        memory, and a phase timeline; Pause / Resume / Stop buttons for background runs."""
+        from .widgets import Dashboard
+        return Dashboard(self, max_points=max_points)
+
+    def inspect(self, batch: "Batch | str | Path | None" = None):
+        """Rollout inspector for a batch, or a saved rollouts file (default: the latest one of this run)."""
+        from .widgets import Inspector
+        if batch is None:
+            files = sorted((self.run_dir / "rollouts").glob("step_*.jsonl"))
+            if not files:
+                raise ValueError("no batch given and no saved rollouts yet in this run (run.save_rollouts_every)")
+            batch = files[-1]
+        return Inspector(batch, tokenizer=self.tokenizer)
+
+    def run(self, steps: int | None = None, progress: bool = True, async_rollout: bool = False,
+            background: bool = False, control: "RunControl | None" = None):
         """`steps` iterations (default run.steps) with a progress bar; held-out accuracy before and after.
 
         With `async_rollout=True` the next batch is generated while this one is scored, prepared and
         trained on (one step off-policy; the loss's importance ratio uses the generating policy's
         log-probs). Under the `local` backend there is nothing to overlap with, so it only changes which
         weights generate. Writes `summary.json` into the run directory and returns it.
+
+        With `background=True` (in a Jupyter kernel) the same loop runs in a worker thread and this returns
+        a `BackgroundRun` at once: the kernel stays free, `sess.pause()` / `resume()` / `stop()` (or the
+        dashboard's buttons) act at the next step boundary, never mid-update; `await run` gives the summary.
         """
+        if background:
+            from .runner import BackgroundRun
+            return BackgroundRun.start(self, steps, async_rollout)
+        if control is None:  # a background run's own thread passes its control; anyone else checks first
+            self._raise_pending_error()
         from tqdm.auto import tqdm
         steps = self.cfg.run.steps if steps is None else steps
         t0 = time.time()
@@ -339,6 +394,8 @@ class Session:
             bar = tqdm(total=steps, desc="train", disable=not progress, dynamic_ncols=True)
             pending = self._start_rollout() if async_rollout and steps else None
             for i in range(steps):
+                if control is not None and not control.proceed():
+                    break  # stopped at a step boundary: the summary below still gets written
                 if pending is None:
                     row = self.step()
                 else:

@@ -1,0 +1,3 @@
+"""Jupyter widgets (ipywidgets + plotly FigureWidget). They read metrics and batches; they never drive workers."""
+from .dashboard import Dashboard
+from .inspector import Inspector
