@@ -17,24 +17,7 @@ import time
 import transformers
 
 import rlbench_nb as rl
-
-
-def overlap_fraction(groups: dict, since: float) -> float:
-    """Share of rollout 'generate' time during which another role was working (from the call records)."""
-    gen = [(r.start, r.end) for r in groups["rollout"].records if r.method == "generate" and r.start >= since]
-    others = [(r.start, r.end) for role, g in groups.items() if role != "rollout" for r in g.records
-              if r.start >= since and r.method in ("update", "compute_logprobs", "compute_values", "score")]
-    total = sum(e - s for s, e in gen)
-    covered = 0.0
-    for s, e in gen:
-        pieces = sorted((max(s, a), min(e, b)) for a, b in others if min(e, b) > max(s, a))
-        end = s
-        for a, b in pieces:  # union of overlapping intervals inside [s, e]
-            a = max(a, end)
-            if b > a:
-                covered += b - a
-                end = b
-    return covered / total if total else 0.0
+from rlbench_nb.metrics.timeline import overlap_fraction
 
 
 def measure(mode: str, steps: int, overrides: list[str]) -> dict:

@@ -174,9 +174,10 @@ class Session:
         prompt_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
         meta = {"prompt": [r["prompt"] for r in rows for _ in range(n)],
                 "group": [f"{tag}-{i}" for i in range(len(rows)) for _ in range(n)]}
-        for key in {k for r in rows for k in r} - {"prompt"}:
+        row_fields = sorted({k for r in rows for k in r} - {"prompt"})
+        for key in row_fields:
             meta[key] = [r.get(key) for r in rows for _ in range(n)]
-        return Batch({"prompt_ids_BP": prompt_ids, "prompt_mask_BP": prompt_mask}, meta)
+        return Batch({"prompt_ids_BP": prompt_ids, "prompt_mask_BP": prompt_mask}, meta, {"row_fields": row_fields})
 
     # ---- phases ---------------------------------------------------------------------------------
     def rollout(self, rows: list[dict] | None = None) -> Batch:
@@ -195,12 +196,12 @@ class Session:
         dt = time.perf_counter() - t0
         self._decode(batch)
         lens = batch["response_mask_BR"].sum(-1).float()
-        batch.info = {"step": self.step_count, "metrics": {
+        batch.info.update({"step": self.step_count, "metrics": {
             "time/rollout_s": dt,
             "throughput/rollout_tok_s": lens.sum().item() / max(dt, 1e-9),
             "response_len/mean": lens.mean().item(), "response_len/max": lens.max().item(),
             "response_len/min": lens.min().item(),
-            "response_len/clip_frac": (lens >= self.cfg.rollout.max_new_tokens).float().mean().item()}}
+            "response_len/clip_frac": (lens >= self.cfg.rollout.max_new_tokens).float().mean().item()}})
         return batch
 
     def _decode(self, batch: Batch) -> None:

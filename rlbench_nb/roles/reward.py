@@ -57,9 +57,12 @@ class RewardWorker:
     def set_fn(self, fn: RewardFn) -> None:
         self.fn = fn
 
-    def score(self, batch: Batch, skip: tuple[str, ...] = ("prompt", "response", "group")) -> Batch:
-        """{"scores_B": float tensor, "reward_error": [str | None]} for the batch's rows."""
-        extra_keys = [k for k in batch.meta if k not in skip and k != "reward_error"]
+    def score(self, batch: Batch) -> Batch:
+        """{"scores_B": float tensor, "reward_error": [str | None]} for the batch's rows.
+
+        The function gets the dataset row's fields (`batch.info["row_fields"]`, e.g. `answer`), not the
+        fields later phases add (advantages, errors)."""
+        extra_keys = [k for k in batch.info.get("row_fields", ()) if k in batch.meta]
         scores, errors = [], []
         for i in range(len(batch)):
             prompt, response = batch["prompt"][i], batch["response"][i]

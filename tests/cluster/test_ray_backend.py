@@ -106,7 +106,7 @@ def test_impossible_resources_say_what_is_missing(ray_cluster, small_cfg):
 
 
 def test_async_run_overlaps_rollout_with_training(ray_cluster, small_cfg):
-    from benchmarks.async_overlap import overlap_fraction
+    from rlbench_nb.metrics import overlap_fraction
     sess = rl.Session(small_cfg(*RAY, "cluster.train_ranks=2"))
     sess.step()
     t0 = sess.groups["rollout"].records[-1].end

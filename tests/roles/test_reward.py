@@ -9,7 +9,8 @@ from rlbench_nb.roles.reward import RewardWorker, load_reward_fn
 def batch():
     return Batch(meta={"prompt": ["1+1=", "2+2=", "3+3=", "4+4=", "5+5="],
                        "response": ["2", "4", "7", "8", "10"], "answer": ["2", "4", "6", "8", "10"],
-                       "group": ["a"] * 5})
+                       "group": ["a"] * 5, "advantage": [0.0] * 5},  # a field added by prepare(): not passed on
+                 info={"row_fields": ["answer"]})
 
 
 def picky(prompt, response, answer):
