@@ -451,11 +451,25 @@ class Session:
         self.evals.append(result)
         for s in self._sinks:
             s.write(self.step_count, {k: v for k, v in result.items() if k != "step"})
+        for listener in list(self._listeners):
+            listener(None)  # None: not a step; redraw now
         return result
 
     # ---- reward hot-swap ------------------------------------------------------------------------
     def set_reward(self, fn: Callable[..., float]) -> Callable[..., float]:
-        """Replace the reward function on every reward worker; `score(batch)` re-scores with it."""
+        """Replace the reward function on every reward worker; `score(batch)` re-scores with it.
+
+        The function must survive pickling (cloudpickle, as Ray ships it), under every backend, so a
+        notebook that works locally works on a cluster."""
+        if not callable(fn):
+            raise TypeError(f"set_reward needs a function, got {type(fn).__name__}")
+        try:
+            from ray import cloudpickle
+            cloudpickle.dumps(fn)
+        except Exception as e:
+            raise ValueError(f"reward function '{getattr(fn, '__name__', fn)}' cannot be shipped to the reward "
+                             f"workers: {type(e).__name__}: {e} — define it at the top level of a cell and keep "
+                             "locks, open files, sessions and models out of what it captures") from None
         self._reward_fn = fn
         self.groups["reward"].call("set_fn", fn)
         return fn

@@ -112,6 +112,20 @@ def test_reward_hot_swap_rescoring_and_errors_keep_the_step_going(small_cfg):
     assert stats["reward/errors"] == n_err
 
 
+def test_a_reward_that_cannot_be_shipped_is_refused_with_the_reason(small_cfg):
+    import threading
+    sess = rl.Session(small_cfg("run.tensorboard=false"))
+    lock = threading.Lock()
+
+    def locked_reward(prompt, response, answer):
+        with lock:
+            return 1.0
+    with pytest.raises(ValueError, match=r"reward function 'locked_reward' cannot be shipped to the reward workers: "
+                                         r"TypeError: cannot pickle '_thread.lock' object"):
+        sess.set_reward(locked_reward)
+    assert sess.score(sess.rollout())["reward_error"][0] is None  # the old function is still in place
+
+
 def _strip(rows):
     """Training rows without wall-clock quantities (time, throughput, memory, sync seconds)."""
     drop = ("time/", "throughput/", "memory/", "sync/s")

@@ -22,7 +22,7 @@ PANELS = [  # (title, [(metric key, trace name)])
     ("throughput tok/s", [("throughput/rollout_tok_s", "rollout"), ("throughput/prepare_tok_s", "prepare"),
                           ("throughput/update_tok_s", "update")]),
 ]
-COLS = 5
+COLS = 4
 
 
 def decimate(xs: list, max_points: int) -> list:
@@ -47,7 +47,7 @@ class Dashboard:
         self._lock = threading.Lock()
         titles = [p[0] for p in PANELS] + ["memory GB (peak RSS)"]
         rows = -(-len(titles) // COLS)
-        fig = make_subplots(rows=rows, cols=COLS, subplot_titles=titles, horizontal_spacing=0.05, vertical_spacing=0.18)
+        fig = make_subplots(rows=rows, cols=COLS, subplot_titles=titles, horizontal_spacing=0.08, vertical_spacing=0.14)
         self._slots: list[tuple[str, int]] = []  # (metric key, trace index)
         for i, (_, series) in enumerate(PANELS):
             r, c = divmod(i, COLS)
@@ -62,7 +62,9 @@ class Dashboard:
                                          else "lines", showlegend=False), row=r + 1, col=c + 1)
                 self._slots.append((key, len(fig.data) - 1))
         self._memory_cell = divmod(len(PANELS), COLS)
-        fig.update_layout(height=260 * rows, margin={"l": 30, "r": 10, "t": 40, "b": 20}, template="plotly_white")
+        fig.update_layout(height=240 * rows, margin={"l": 40, "r": 10, "t": 40, "b": 20}, template="plotly_white",
+                          legend={"title": "memory", "x": 1.0, "y": 0.0, "yanchor": "bottom"})
+        fig.update_annotations(font_size=12)
         self.figure = go.FigureWidget(fig)
         self.timeline = go.FigureWidget(layout={"height": 220, "barmode": "overlay", "template": "plotly_white",
                                                 "title": "phase timeline (last steps)", "xaxis": {"title": "s"},

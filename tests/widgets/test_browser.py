@@ -1,0 +1,99 @@
+"""The quickstart in a real JupyterLab, in headless Chromium: the dashboard's plotly figure renders with
+data points and the inspector table has rows. Saves screenshots to artifacts/screenshots/."""
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import nbformat
+import pytest
+
+from ..conftest import REPO, SMALL
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+SHOTS = REPO / "artifacts" / "screenshots"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """JupyterLab on loopback with a token, hermetic settings, root dir tmp_path."""
+    settings = tmp_path / "settings"
+    for rel, value in (("@jupyterlab/notebook-extension/tracker.jupyterlab-settings", {"windowingMode": "none"}),
+                       ("@jupyterlab/apputils-extension/notification.jupyterlab-settings",
+                        {"fetchNews": "false", "checkForUpdates": False})):
+        (settings / rel).parent.mkdir(parents=True, exist_ok=True)
+        (settings / rel).write_text(json.dumps(value))
+    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings), "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "ws"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt")}
+    port, token = _free_port(), secrets.token_hex(16)
+    root = tmp_path / "root"
+    root.mkdir()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ServerApp.port_retries=0",
+         "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+         "--LabApp.expose_app_in_browser=True", "--ServerApp.allow_root=True", "--LabApp.news_url=None",
+         "--LabApp.check_for_updates_class=jupyterlab.handlers.announcements.NeverCheckForUpdate"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            time.sleep(0.5)
+    try:
+        yield base, token, root
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (apt-get install chromium)")
+def test_quickstart_in_jupyterlab_renders_dashboard_and_inspector(lab, tmp_path):
+    from playwright.sync_api import sync_playwright
+    base, token, root = lab
+    nb = nbformat.read(str(REPO / "notebooks/01_quickstart.ipynb"), as_version=4)
+    at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    nb.cells.insert(at + 1, nbformat.v4.new_code_cell(
+        f"config = {str(REPO / 'configs/arith_grpo.yaml')!r}\nsteps = 4\nrun_dir = {str(tmp_path / 'run')!r}\n"
+        f"overrides = {[*SMALL, 'run.tensorboard=false']!r}"))
+    nbformat.write(nb, str(root / "quickstart.ipynb"))
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    errors = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(f"{base}/lab/tree/quickstart.ipynb?token={token}&reset")
+        page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
+        page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=60_000)
+        page.set_default_timeout(600_000)
+        page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")  # resolves when all ran
+        page.wait_for_function("""() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]
+                                  .every(p => /\\[\\d+\\]/.test(p.textContent))""", timeout=600_000)
+        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=60_000)
+        points = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
+            .map(d => (d.data || []).reduce((n, t) => n + ((t.x || []).length), 0))""")
+        rows = page.evaluate("() => document.querySelectorAll('table.rl-inspector tr').length")
+        traces = page.evaluate("() => document.querySelectorAll('.js-plotly-plot .scatterlayer .trace').length")
+        page.screenshot(path=str(SHOTS / "quickstart_full.png"), full_page=True)
+        page.locator(".jupyter-widgets .js-plotly-plot").first.screenshot(path=str(SHOTS / "dashboard.png"))
+        browser.close()
+    assert points and max(points) > 0, f"no data points in the plotly figures: {points}"
+    assert traces > 0
+    assert rows > 1, "the inspector table has no rows"
+    assert not [e for e in errors if "plotly" in e.lower() or "widget" in e.lower()], errors
