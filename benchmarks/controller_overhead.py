@@ -15,7 +15,6 @@ import statistics
 import tempfile
 import time
 
-import torch
 import transformers
 
 import rlbench_nb as rl

@@ -177,7 +177,7 @@ def to_script(path: str | Path) -> str:
               f"dropped (interactive): {[c.index for c in dropped]}.\n"
               f'Run it with --help for the flags.\n"""')
     body = "\n\n".join(bodies) or "pass"
-    setup = (f"    args = _parse_args(argv)\n" +
+    setup = ("    args = _parse_args(argv)\n" +
              "".join(f"    {n} = args.{n}\n" for n in names))
     if is_async:
         main = (f"async def _main_async(argv=None):\n{setup}\n{_indent(body)}\n\n\n"

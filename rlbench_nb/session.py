@@ -32,7 +32,7 @@ from .config import Config
 from .data.batch import Batch
 from .data.datasets import PromptDataset, PromptSampler, read_rows, validate_rows
 from .data.tasks import load_task
-from .metrics import JSONLSink, TensorBoardSink, read_jsonl
+from .metrics import JSONLSink, TensorBoardSink
 from .roles import CriticWorker, HFRolloutWorker, PolicyWorker, ReferenceWorker, RewardWorker, load_reward_fn
 
 log = logging.getLogger(__name__)

@@ -3,8 +3,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from .conftest import REPO, SMALL
 
 
