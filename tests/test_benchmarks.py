@@ -1,0 +1,22 @@
+"""Each benchmark script runs at its smallest setting, so none of them rots."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import REPO
+
+
+@pytest.mark.parametrize("script, args", [
+    ("benchmarks/controller_overhead.py", ["--calls", "2"]),
+    ("benchmarks/async_overlap.py", ["--steps", "1", "data.batch_size=4", "rollout.n=2"]),
+])
+def test_benchmark_script_runs(script, args, tmp_path):
+    out_json = tmp_path / "out.json"
+    out = subprocess.run([sys.executable, script, "--json", str(out_json), *args], cwd=REPO, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads(out_json.read_text())
+    assert data
+    assert "backend" in out.stdout or "mode" in out.stdout  # the printed table's header
