@@ -282,9 +282,8 @@ class Session:
         dt = time.perf_counter() - t0
         m["time/update_s"] = dt
         m["throughput/update_tok_s"] = _total_tokens(batch) * self.cfg.train.epochs / max(dt, 1e-9)
-        for role, group in self.groups.items():
-            mem = group.refresh_memory()
-            m[f"memory/{role}_peak_gb"] = max(v["peak_rss_gb"] for v in mem.values())
+        for role, group in self.groups.items():  # snapshots came back with this step's calls
+            m[f"memory/{role}_peak_gb"] = max((v["peak_rss_gb"] for v in group.memory.values()), default=0.0)
         # phases in sequence add up; overlapped (async) steps report their wall time
         m["time/step_s"] = time.perf_counter() - batch.info["wall_start"] if "wall_start" in batch.info else \
             sum(m.get(f"time/{p}_s", 0.0) for p in ("rollout", "score", "prepare", "update"))

@@ -38,6 +38,7 @@ def test_each_phase_returns_data_to_look_at(small_cfg):
                 "throughput/rollout_tok_s", "memory/policy_peak_gb", "sync/bytes", "response_len/mean"):
         assert key in stats, key
     assert sess.step_count == 1
+    assert stats["memory/policy_peak_gb"] > 0.1 and stats["memory/reward_peak_gb"] > 0.1  # reported by the calls
     rows = read_jsonl(sess.run_dir / "metrics.jsonl")
     assert rows[-1]["step"] == 1 and rows[-1]["reward/mean"] == pytest.approx(stats["reward/mean"])
     assert (sess.run_dir / "config.yaml").exists() and (sess.run_dir / "rollouts" / "step_000001.jsonl").exists()

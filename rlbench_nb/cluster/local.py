@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..data.batch import Batch
+from ..metrics.memory import memory_snapshot
 from .errors import WorkerError
 
 
@@ -44,6 +45,7 @@ class LocalWorkerGroup:
         finally:
             self.records.append(CallRecord(self.role, rank, method, start, time.perf_counter()))
             del self.records[:-1000]  # bounded: the timeline shows recent steps only
+            self.memory[rank] = memory_snapshot()  # like the Ray backend: every call reports memory
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Call `method` on every rank with the same arguments; a list of results by rank."""
@@ -72,10 +74,6 @@ class LocalWorkerGroup:
     def call_split(self, method: str, batch: Batch, *args, **kwargs) -> Batch:
         """`call_shards`, with the ranks' result batches concatenated back in order."""
         return Batch.cat(self.call_shards(method, batch, *args, **kwargs))
-
-    def refresh_memory(self) -> dict[int, dict]:
-        self.memory = dict(enumerate(self.call("memory")))
-        return self.memory
 
     def close(self) -> None:
         self.workers.clear()

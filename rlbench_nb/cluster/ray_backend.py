@@ -124,7 +124,7 @@ class _WorkerActor:
                 "device": str(getattr(self.worker, "device", "cpu"))}
 
     def call(self, method: str, *args, **kwargs):
-        from ..roles.common import memory_snapshot
+        from ..metrics.memory import memory_snapshot
         try:
             result = getattr(self.worker, method)(*args, **kwargs)
         except Exception as e:
@@ -268,9 +268,6 @@ class RayWorkerGroup:
 
     def call_split(self, method: str, batch: Batch, *args, **kwargs) -> Batch:
         return Batch.cat(self.call_shards(method, batch, *args, **kwargs))
-
-    def refresh_memory(self) -> dict[int, dict]:
-        return self.memory or dict(enumerate(self.call("memory")))
 
     def close(self) -> None:
         import ray

@@ -1,9 +1,7 @@
 """Helpers every role shares: device choice, model loading, token log-probs, memory, RNG state."""
 from __future__ import annotations
 
-import os
 import random
-import resource
 
 import torch
 
@@ -54,20 +52,6 @@ def token_logprobs(logits_BRV: torch.Tensor, ids_BR: torch.Tensor) -> torch.Tens
     """log softmax(logits)[id] per position, in fp32."""
     logits = logits_BRV.float()
     return logits.gather(-1, ids_BR.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-
-
-def memory_snapshot() -> dict:
-    """Process RSS now and at peak (GB), and CUDA allocated/peak when a GPU is present."""
-    snap = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    try:
-        with open(f"/proc/{os.getpid()}/statm") as f:
-            snap["rss_gb"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-    except OSError:
-        pass
-    if torch.cuda.is_available():
-        snap["gpu_alloc_gb"] = torch.cuda.memory_allocated() / 2**30
-        snap["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    return snap
 
 
 def rng_state() -> dict:

@@ -10,8 +10,9 @@ from torch import nn
 from ..algos import agg_loss, value_loss
 from ..config import Config
 from ..data.batch import Batch
+from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
-from .common import DTYPES, full_sequences, memory_snapshot, pick_device, read_safetensors, response_hidden_slice
+from .common import DTYPES, full_sequences, pick_device, read_safetensors, response_hidden_slice
 
 
 class ValueModel(nn.Module):

@@ -13,8 +13,9 @@ import torch
 from ..algos import agg_loss, entropy_from_logits, kl_penalty, ppo_policy_loss
 from ..config import Config
 from ..data.batch import Batch
+from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
-from .common import (full_sequences, load_causal_lm, read_safetensors, memory_snapshot, pick_device, response_hidden_slice,
+from .common import (full_sequences, load_causal_lm, read_safetensors, pick_device, response_hidden_slice,
                      rng_state, set_rng_state, token_logprobs)
 
 

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from ..data.batch import Batch
-from .common import memory_snapshot
+from ..metrics.memory import memory_snapshot
 
 RewardFn = Callable[..., float]
 

@@ -10,7 +10,8 @@ import torch
 
 from ..config import Config, RolloutConfig
 from ..data.batch import Batch
-from .common import load_causal_lm, load_weights, memory_snapshot, pick_device, rng_state, set_rng_state
+from ..metrics.memory import memory_snapshot
+from .common import load_causal_lm, load_weights, pick_device, rng_state, set_rng_state
 
 
 class HFRolloutWorker:
