@@ -121,7 +121,6 @@ class AlgoConfig(_Section):
     kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     value_clip: float = Field(0.5, gt=0, description="Clipped value loss range (PPO).")
-    vf_coef: float = Field(0.5, ge=0, description="Value loss weight (reported; the critic has its own optimizer).")
 
 
 class TrainConfig(_Section):
