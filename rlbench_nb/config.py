@@ -78,7 +78,9 @@ class ModelConfig(_Section):
     num_layers: int = Field(4, ge=1, description="Built-in model: decoder layers.")
     num_heads: int = Field(4, ge=1, description="Built-in model: attention heads.")
     intermediate_size: int = Field(256, ge=8, description="Built-in model: MLP width.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype of trainers and rollout.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Compute dtype. Trainers keep fp32 master weights and compute in it (FSDP2 mixed "
+        "precision when sharded, autocast otherwise); rollout and reference hold their weights in it.")
 
 
 class DataConfig(_Section):
@@ -133,6 +135,11 @@ class TrainConfig(_Section):
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per epoch: the batch is split into this many mini-batches.")
     micro_batch_size: int = Field(256, ge=1, description="Sequences per forward/backward (gradient accumulation).")
     critic_warmup: int = Field(0, ge=0, description="Steps that train only the critic (PPO).")
+    logprob_chunk_mb: float = Field(256, ge=0, description="Memory (MiB of fp32 logits) per chunk of the fused "
+                                    "log-prob/entropy op: full [B, T, V] logits never exist (0: the model's own "
+                                    "forward, full logits).")
+    activation_checkpointing: bool = Field(False, description="Recompute decoder activations in the backward "
+                                           "pass (less memory, ~1/3 more compute).")
 
 
 class RewardConfig(_Section):

@@ -188,7 +188,8 @@ class Session:
         if rows is None:
             rows = [self.train_data.rows[i] for i in self.sampler.next_indices()]
         batch = self._encode(rows, self.cfg.rollout.n, tag=f"s{self.step_count}")
-        return batch, self.groups["rollout"].submit_shards("generate", batch), time.perf_counter()
+        t0 = time.perf_counter()  # before submitting: the local backend does the work inside submit_shards
+        return batch, self.groups["rollout"].submit_shards("generate", batch), t0
 
     def _finish_rollout(self, started: tuple) -> Batch:
         batch, handle, t0 = started

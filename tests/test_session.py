@@ -37,6 +37,8 @@ def test_each_phase_returns_data_to_look_at(small_cfg):
     for key in ("reward/mean", "loss/policy", "actor/clip_frac", "actor/grad_norm", "entropy", "time/rollout_s",
                 "throughput/rollout_tok_s", "memory/policy_peak_gb", "sync/bytes", "response_len/mean"):
         assert key in stats, key
+    # the local backend generates inside the submit call: the clock must start before it (32 samples take ms)
+    assert stats["time/rollout_s"] > 1e-3 and stats["throughput/rollout_tok_s"] < 1e6
     assert sess.step_count == 1
     assert stats["memory/policy_peak_gb"] > 0.1 and stats["memory/reward_peak_gb"] > 0.1  # reported by the calls
     rows = read_jsonl(sess.run_dir / "metrics.jsonl")

@@ -37,15 +37,20 @@ class CriticWorker:
     def __init__(self, cfg: Config, model_dir: str):
         self.cfg = cfg
         self.device = pick_device()
-        self.model = ValueModel(model_dir, cfg.model.dtype).to(self.device)
-        self.sharded = dist_util.shard(self.model, self.device)
+        compute = DTYPES[cfg.model.dtype]
+        self.model = ValueModel(model_dir, "float32").to(self.device)  # fp32 masters, computed in model.dtype
+        if cfg.train.activation_checkpointing:
+            self.model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.sharded = dist_util.shard(self.model, self.device, compute_dtype=compute)
+        self.autocast = compute != torch.float32 and not self.sharded
         t = cfg.train
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.critic_lr, betas=t.betas,
                                            weight_decay=t.weight_decay)
 
     def _values(self, batch: Batch) -> torch.Tensor:
         ids, mask, pos = (x.to(self.device) for x in full_sequences(batch))
-        return self.model(ids, mask, pos)[:, response_hidden_slice(batch)]
+        with torch.autocast(self.device.type, dtype=DTYPES[self.cfg.model.dtype], enabled=self.autocast):
+            return self.model(ids, mask, pos)[:, response_hidden_slice(batch)]
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:

@@ -25,21 +25,26 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def shard(model: torch.nn.Module, device: torch.device) -> bool:
+def shard(model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype | None = None) -> bool:
     """FSDP2 (`fully_shard`) each decoder layer, then the root, over all ranks. Returns whether it sharded.
 
-    The mesh is built explicitly on the model's device type: the default mesh picks CUDA when present
-    even for a gloo group.
+    `compute_dtype` (e.g. bf16) turns on FSDP2's mixed precision: parameters stay fp32 (the master copy
+    the optimizer updates), are all-gathered and computed in `compute_dtype`, and gradients are
+    reduce-scattered in fp32. The mesh is built explicitly on the model's device type: the default mesh
+    picks CUDA when present even for a gloo group.
     """
     if world_size() == 1:
         return False
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device.type, (world_size(),))
+    mp = MixedPrecisionPolicy()
+    if compute_dtype is not None and compute_dtype != torch.float32:
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), [])
     for layer in layers:  # one FSDP unit per decoder layer: gathers one layer's weights at a time
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return True
 
 

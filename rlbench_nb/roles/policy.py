@@ -10,36 +10,43 @@ from pathlib import Path
 
 import torch
 
-from ..algos import agg_loss, entropy_from_logits, kl_penalty, ppo_policy_loss
+from ..algos import agg_loss, kl_penalty, ppo_policy_loss
 from ..config import Config
 from ..data.batch import Batch
 from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
-from .common import (full_sequences, load_causal_lm, read_safetensors, pick_device, response_hidden_slice,
-                     rng_state, set_rng_state, token_logprobs)
+from .common import (DTYPES, full_sequences, load_causal_lm, pick_device, read_safetensors, response_hidden_slice,
+                     rng_state, set_rng_state)
+from .scorer import TokenScorer
 
 
 class ReferenceWorker:
     """A frozen copy of the initial policy: log-probs for the KL term."""
 
     role = "reference"
+    trains = False
 
     def __init__(self, cfg: Config, model_dir: str):
         self.cfg = cfg
         self.device = pick_device()
-        self.model = load_causal_lm(model_dir, cfg.model.dtype, self.device)
-        self.sharded = dist_util.shard(self.model, self.device)  # FSDP2 when this role has several ranks
-        self.model.requires_grad_(False)
-        self.model.eval()
+        compute = DTYPES[cfg.model.dtype]
+        # a trainer keeps fp32 master weights and computes in model.dtype; a frozen model just holds model.dtype
+        self.model = load_causal_lm(model_dir, "float32" if self.trains else cfg.model.dtype, self.device)
+        if self.trains and cfg.train.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.scorer = TokenScorer(self.model, cfg.train.logprob_chunk_mb, cfg.rollout.temperature, compute,
+                                  autocast=False)
+        # FSDP2 when this role has several ranks; its mixed-precision policy casts the fp32 masters
+        self.sharded = dist_util.shard(self.scorer, self.device,
+                                       compute_dtype=compute if self.trains else None)
+        self.scorer.autocast = self.trains and compute != torch.float32 and not self.sharded
+        self.model.requires_grad_(self.trains)
+        self.model.train(self.trains)
 
     def _forward(self, batch: Batch, with_entropy: bool = False):
         ids, mask, pos = (t.to(self.device) for t in full_sequences(batch))
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        logits = logits[:, response_hidden_slice(batch)].float()
-        if self.cfg.rollout.temperature > 0:  # score the distribution the rollout sampled from
-            logits = logits / self.cfg.rollout.temperature
-        lp = token_logprobs(logits, batch["response_ids_BR"].to(self.device))
-        return lp, (entropy_from_logits(logits) if with_entropy else None)
+        return self.scorer(ids, mask, pos, batch["response_ids_BR"].to(self.device),
+                           response_hidden_slice(batch).start, with_entropy)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, key: str = "ref_logprobs_BR") -> Batch:
@@ -50,21 +57,21 @@ class ReferenceWorker:
     def memory(self) -> dict:
         return memory_snapshot()
 
-    def local_shapes(self) -> dict[str, tuple]:
-        """Shapes of this rank's parameter shards (the full shapes when not sharded)."""
+    def local_shards(self) -> dict[str, tuple[tuple, str]]:
+        """(shape, dtype) of this rank's parameter shards (the full tensors when not sharded)."""
         from torch.distributed.tensor import DTensor
-        return {k: tuple((v.to_local() if isinstance(v, DTensor) else v).shape) for k, v in self.model.state_dict().items()}
+        local = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in self.model.state_dict().items()}
+        return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in local.items()}
 
 
 class PolicyWorker(ReferenceWorker):
     """The trained policy: log-probs under the current weights, and the clipped policy-gradient update."""
 
     role = "policy"
+    trains = True
 
     def __init__(self, cfg: Config, model_dir: str):
         super().__init__(cfg, model_dir)
-        self.model.requires_grad_(True)
-        self.model.train()
         t = cfg.train
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas,
                                            weight_decay=t.weight_decay)
@@ -144,9 +151,10 @@ class PolicyWorker(ReferenceWorker):
 
     # ---- weights and state ----------------------------------------------------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:
-        """Full CPU weights for the rollout engine on rank 0 ({} elsewhere); gathers when sharded: O(model size).
-        Every rank must be called."""
-        return dist_util.full_model_state(self.model, self.sharded)
+        """Full CPU weights in the rollout's dtype (model.dtype) on rank 0 ({} elsewhere); gathers when
+        sharded: O(model size). Every rank must be called."""
+        dtype = DTYPES[self.cfg.model.dtype]
+        return {k: v.to(dtype) for k, v in dist_util.full_model_state(self.model, self.sharded).items()}
 
     def save(self, path: str) -> None:
         """Weights as safetensors (a loadable HF model dir), optimizer and RNG state as tensors-only files.

@@ -14,6 +14,32 @@ from ..metrics.memory import memory_snapshot
 from .common import load_causal_lm, load_weights, pick_device, rng_state, set_rng_state
 
 
+class _SampledLogprobs:
+    """A logits processor (last in the list) that records log p(sampled token) under the distribution the
+    sampler drew from. At each step it sees the token drawn from the previous step's scores, so only one
+    [B, V] log-softmax is alive at a time; `output_scores=True` would keep every step's [B, V] logits
+    (20 GB for 512 samples x 64 tokens at V=152k)."""
+
+    def __init__(self):
+        self.prev_logp_BV: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def _take(self, tokens_B: torch.Tensor) -> None:
+        self.steps.append(self.prev_logp_BV.gather(-1, tokens_B[:, None]).squeeze(-1))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.prev_logp_BV is not None:
+            self._take(input_ids[:, -1])
+        self.prev_logp_BV = scores.float().log_softmax(-1)
+        return scores
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[B, R] log-probs of the R generated tokens (the last one is taken from `sequences`)."""
+        self._take(sequences[:, -1])
+        self.prev_logp_BV = None
+        return torch.stack(self.steps, dim=1)
+
+
 class HFRolloutWorker:
     role = "rollout"
 
@@ -41,24 +67,30 @@ class HFRolloutWorker:
         return Batch.cat(parts)
 
     def _generate(self, batch: Batch, p: RolloutConfig) -> Batch:
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, LogitsProcessorList
+        from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                            TopPLogitsWarper)
         greedy = p.temperature == 0
+        # the sampling warpers are ours, not generate()'s: HF puts its own after any custom processor,
+        # and the log-prob recorder must see the final distribution the token is drawn from
+        warpers = [] if greedy else [TemperatureLogitsWarper(p.temperature)] + \
+            ([TopKLogitsWarper(p.top_k)] if p.top_k else []) + ([TopPLogitsWarper(p.top_p)] if p.top_p < 1 else [])
+        recorder = _SampledLogprobs()
         gen_cfg = GenerationConfig(
-            do_sample=not greedy, temperature=None if greedy else p.temperature,
-            top_p=None if greedy else p.top_p, top_k=None if greedy else p.top_k,
-            max_new_tokens=p.max_new_tokens, eos_token_id=self.eos, pad_token_id=self.pad,
-            return_dict_in_generate=True, output_scores=True)
+            do_sample=not greedy, temperature=None if greedy else 1.0, top_p=None if greedy else 1.0,
+            top_k=None if greedy else 0, max_new_tokens=p.max_new_tokens, eos_token_id=self.eos,
+            pad_token_id=self.pad, return_dict_in_generate=True)
         ids = batch["prompt_ids_BP"].to(self.device)
         mask = batch["prompt_mask_BP"].to(self.device)
-        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
+                                  logits_processor=LogitsProcessorList([*warpers, recorder]))
         resp = out.sequences[:, ids.shape[1]:]
-        scores = torch.stack(out.scores, dim=1).float()  # processed logits the sampler drew from: [B, R, V]
-        logprobs = scores.log_softmax(-1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+        logprobs = recorder.finish(out.sequences)
         is_eos = resp == self.eos
         after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
         resp_mask = (~after_eos).long()
         resp = resp.masked_fill(after_eos, self.pad)
-        logprobs = torch.nan_to_num(logprobs * resp_mask, neginf=0.0)
+        logprobs = torch.nan_to_num(logprobs * resp_mask, nan=0.0, neginf=0.0)
         return Batch({"response_ids_BR": resp.cpu(), "response_mask_BR": resp_mask.cpu(),
                       "rollout_logprobs_BR": logprobs.cpu()})
 

@@ -36,8 +36,8 @@ def test_two_fsdp_ranks_match_one_rank(ray_cluster, small_cfg):
         rows = [sess.step() for _ in range(2)]
         results[ranks] = ([_comparable(r) for r in rows], sess.groups["policy"].call("get_weights")[0])
         if ranks == 2:  # the policy really is sharded: each rank holds half of a layer's weight
-            shapes = sess.groups["policy"].call("local_shapes")
-            assert shapes[0]["model.layers.0.mlp.up_proj.weight"][0] * 2 == 256
+            shards = sess.groups["policy"].call("local_shards")
+            assert shards[0]["model.layers.0.mlp.up_proj.weight"][0][0] * 2 == 256
         sess.close()
     (rows1, w1), (rows2, w2) = results[1], results[2]
     for a, b in zip(rows1, rows2):
@@ -45,6 +45,26 @@ def test_two_fsdp_ranks_match_one_rank(ray_cluster, small_cfg):
     assert w1.keys() == w2.keys()
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_fsdp_keeps_fp32_master_shards_and_trains_like_one_process(ray_cluster, small_cfg):
+    """FSDP2 mixed precision: fp32 shards (the optimizer's master copy), bf16 compute; the step's
+    numbers agree with the single-process bf16 path (autocast) to bf16 precision."""
+    rows = {}
+    for backend in ("local", "ray"):
+        extra = (*RAY, "cluster.train_ranks=2") if backend == "ray" else ("run.tensorboard=false",)
+        sess = rl.Session(small_cfg(*extra, "model.dtype=bfloat16", "train.lr=1e-3", "algo.kl_coef=0.05"))
+        if backend == "ray":
+            shards = sess.groups["policy"].call("local_shards")
+            shape, dtype = shards[1]["model.layers.0.self_attn.q_proj.weight"]
+            assert dtype == "float32" and shape[0] * 2 == 128
+        rows[backend] = [_comparable(sess.step()) for _ in range(2)]
+        sess.close()
+    a, b = rows["local"][0], rows["ray"][0]  # step 1: same prompts, same initial weights
+    assert a["reward/mean"] == b["reward/mean"]
+    assert a["entropy"] == pytest.approx(b["entropy"], rel=2e-2)
+    assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=5e-2)
+    assert all(abs(r["loss/policy"]) < 10 for r in rows["ray"])
 
 
 def test_rollout_changes_after_sync_and_not_before(ray_cluster, small_cfg):
