@@ -13,7 +13,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 CHILD = r"""

@@ -94,13 +94,22 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf"] = Field("hf", description="'hf': transformers generate with KV cache.")
+    engine: Literal["hf", "vllm"] = Field("hf", description="'hf': transformers generate with KV cache; 'vllm': one "
+                                          "vllm.LLM per rollout worker (pip install rlbench-nb[vllm]).")
     n: int = Field(8, ge=1, description="Samples per prompt (the group size of GRPO/RLOO).")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
     max_new_tokens: int = Field(8, ge=1, description="Response length cap; generation also stops at EOS.")
-    micro_batch_size: int = Field(512, ge=1, description="Sequences generated per generate() call.")
+    micro_batch_size: int = Field(512, ge=1, description="HF engine: sequences per generate() call.")
+    colocate: bool = Field(False, description="Rollout shares the GPUs with the trainers: it sleeps during updates "
+                           "(vLLM sleep mode / HF weights to host memory); a no-op on CPU.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs per rollout engine.")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on GPU: share of GPU memory for "
+                                          "weights + KV cache (leave room for the trainers when colocated).")
+    kv_cache_gb: int = Field(1, ge=1, description="vLLM on CPU: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE).")
+    enforce_eager: Optional[bool] = Field(None, description="vLLM: no CUDA graphs / compilation (null: eager on "
+                                          "CPU, graphs on GPU).")
 
 
 class AlgoConfig(_Section):

@@ -33,7 +33,7 @@ from .data.batch import Batch
 from .data.datasets import PromptDataset, PromptSampler, read_rows, validate_rows
 from .data.tasks import load_task
 from .metrics import JSONLSink, TensorBoardSink
-from .roles import CriticWorker, HFRolloutWorker, PolicyWorker, ReferenceWorker, RewardWorker, load_reward_fn
+from .roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, load_reward_fn, rollout_worker_class
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +76,12 @@ class Session:
 
         model_dir = str(self.task.model_dir)
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        if cfg.rollout.engine == "vllm" and cfg.cluster.backend == "local":
+            from .roles.rollout.vllm_engine import import_vllm
+            import_vllm()  # a missing install is one clear line before any worker starts
         # role -> (worker class, constructor args): what restart(role) rebuilds from
         self._roles = {"policy": (PolicyWorker, (cfg, model_dir)),
-                       "rollout": (HFRolloutWorker, (cfg, model_dir, eos, pad)),
+                       "rollout": (rollout_worker_class(cfg.rollout.engine), (cfg, model_dir, eos, pad)),
                        "reward": (RewardWorker, (self._reward_fn,))}
         if cfg.uses_reference:
             self._roles["reference"] = (ReferenceWorker, (cfg, model_dir))
@@ -195,6 +198,8 @@ class Session:
         batch, handle, t0 = started
         batch.update(Batch.cat(self.groups["rollout"].collect(handle)))
         dt = time.perf_counter() - t0
+        if self.cfg.rollout.colocate:  # give the accelerator to the trainers until the next weight sync
+            self.groups["rollout"].call("sleep")
         self._decode(batch)
         lens = batch["response_mask_BR"].sum(-1).float()
         batch.info.update({"step": self.step_count, "metrics": {
@@ -302,8 +307,14 @@ class Session:
         """Push the policy's full weights to every rollout rank; bytes and seconds are metrics."""
         t0 = time.perf_counter()
         weights = self.groups["policy"].call("get_weights")[0]  # a collective when sharded: all ranks
+        if self.cfg.rollout.colocate:
+            self.groups["rollout"].call("wake_up")
         res = self.groups["rollout"].call("set_weights", weights, self.step_count + 1)
-        return {"sync/s": time.perf_counter() - t0, "sync/bytes": sum(r["bytes"] for r in res)}
+        out = {"sync/s": time.perf_counter() - t0, "sync/bytes": sum(r["bytes"] for r in res)}
+        for key in ("write_s", "reload_s"):  # the vLLM engine's two halves: safetensors to shm, in-place reload
+            if key in res[0]:
+                out[f"sync/{key}"] = max(r[key] for r in res)
+        return out
 
     def restart(self, role: str) -> "Session":
         """Rebuild a role's workers (e.g. after its process died). Trainer roles come back from the latest
@@ -379,6 +390,9 @@ class Session:
         a `BackgroundRun` at once: the kernel stays free, `sess.pause()` / `resume()` / `stop()` (or the
         dashboard's buttons) act at the next step boundary, never mid-update; `await run` gives the summary.
         """
+        if async_rollout and self.cfg.rollout.colocate:
+            raise ValueError("async_rollout overlaps generation with the update, but rollout.colocate puts the "
+                             "rollout engine to sleep during updates: turn one of them off")
         if background:
             from .runner import BackgroundRun
             return BackgroundRun.start(self, steps, async_rollout)

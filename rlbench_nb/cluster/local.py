@@ -76,4 +76,10 @@ class LocalWorkerGroup:
         return Batch.cat(self.call_shards(method, batch, *args, **kwargs))
 
     def close(self) -> None:
+        for w in self.workers:  # engines with processes of their own (vLLM) stop them
+            if hasattr(w, "close"):
+                try:
+                    w.close()
+                except Exception:
+                    pass
         self.workers.clear()

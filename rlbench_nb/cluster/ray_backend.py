@@ -118,6 +118,10 @@ class _WorkerActor:
             raise WorkerError.from_exception(self.role, self.rank, "__init__", e) from None
         return self.info()
 
+    def close_worker(self) -> None:
+        if hasattr(self.worker, "close"):
+            self.worker.close()
+
     def info(self) -> dict:
         import ray
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(),
@@ -271,6 +275,10 @@ class RayWorkerGroup:
 
     def close(self) -> None:
         import ray
+        try:  # engines with processes of their own (vLLM) stop them before their actor goes
+            ray.wait([a.close_worker.remote() for a in self.actors], num_returns=len(self.actors), timeout=10)
+        except Exception:
+            pass
         for a in self.actors:
             try:
                 ray.kill(a)

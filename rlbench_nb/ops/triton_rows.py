@@ -17,11 +17,8 @@ BLOCK = 4096
 
 @functools.cache
 def available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache

@@ -2,4 +2,4 @@
 from .critic import CriticWorker
 from .policy import PolicyWorker, ReferenceWorker
 from .reward import RewardWorker, load_reward_fn
-from .rollout import HFRolloutWorker
+from .rollout import HFRolloutWorker, VLLMRolloutWorker, rollout_worker_class

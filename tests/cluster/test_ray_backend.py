@@ -1,4 +1,5 @@
 """The Ray backend on a real embedded cluster: FSDP2 ranks, weight sync, clear errors, dead workers."""
+import importlib.util
 import os
 import signal
 
@@ -138,3 +139,38 @@ def test_async_run_overlaps_rollout_with_training(ray_cluster, small_cfg):
     assert any(g.start < u.end and u.start < g.end for g in gens for u in updates)
     assert overlap_fraction(sess.groups, t0) > 0
     sess.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_vllm_engine_inside_a_rollout_actor(ray_cluster, small_cfg):
+    """One vllm.LLM per rollout actor: it samples what the trainer scores, and reloads weights in place."""
+    sess = rl.Session(small_cfg(*RAY, "rollout.engine=vllm", "train.lr=3e-2"))
+    probe = sess._encode(sess.test_data.rows[:16], 4, "probe")
+    probe.update(sess.groups["rollout"].call_split("generate", probe))
+    trainer = sess.groups["policy"].call_split("compute_logprobs", probe)["old_logprobs_BR"]
+    m = probe["response_mask_BR"].bool()
+    torch.testing.assert_close(probe["rollout_logprobs_BR"][m], trainer[m], atol=1e-4, rtol=1e-4)
+    row = sess.step()
+    assert row["sync/reload_s"] > 0
+    probe.update(sess.groups["rollout"].call_split("generate", probe))  # new weights, new samples ...
+    trainer = sess.groups["policy"].call_split("compute_logprobs", probe)["old_logprobs_BR"]
+    m = probe["response_mask_BR"].bool()  # ... scored identically by the updated trainer
+    torch.testing.assert_close(probe["rollout_logprobs_BR"][m], trainer[m], atol=1e-4, rtol=1e-4)
+    pids = [info["pid"] for info in sess.groups["rollout"].info.values()]
+    sess.close()
+    import time
+
+    import psutil
+
+    def live_engine_processes():
+        out = []
+        for pid in pids:
+            try:
+                out += [c for c in psutil.Process(pid).children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+            except psutil.NoSuchProcess:
+                pass
+        return out
+    deadline = time.time() + 15
+    while live_engine_processes() and time.time() < deadline:
+        time.sleep(0.5)
+    assert not live_engine_processes(), "closing the session leaves no vLLM engine process behind"

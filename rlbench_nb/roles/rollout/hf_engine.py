@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Config, RolloutConfig
-from ..data.batch import Batch
-from ..metrics.memory import memory_snapshot
-from .common import load_causal_lm, load_weights, pick_device, rng_state, set_rng_state
+from ...config import Config, RolloutConfig
+from ...data.batch import Batch
+from ..common import load_causal_lm, load_weights, pick_device
+from .base import RolloutWorker
 
 
 class _SampledLogprobs:
@@ -40,9 +40,7 @@ class _SampledLogprobs:
         return torch.stack(self.steps, dim=1)
 
 
-class HFRolloutWorker:
-    role = "rollout"
-
+class HFRolloutWorker(RolloutWorker):
     def __init__(self, cfg: Config, model_dir: str, eos_token_id: int, pad_token_id: int):
         self.cfg = cfg
         self.device = pick_device()
@@ -100,12 +98,13 @@ class HFRolloutWorker:
         self.weight_version = version
         return {"bytes": sum(v.numel() * v.element_size() for v in state.values())}
 
-    def get_state(self) -> dict:
-        return {"rng": rng_state(), "weight_version": self.weight_version}
+    def sleep(self) -> None:
+        """Colocated mode: give the accelerator back to the trainers during the update (weights to host
+        memory). A no-op on CPU."""
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
 
-    def set_state(self, state: dict) -> None:
-        set_rng_state(state["rng"])
-        self.weight_version = state["weight_version"]
+    def wake_up(self) -> None:
+        self.model.to(self.device)
 
-    def memory(self) -> dict:
-        return memory_snapshot()
