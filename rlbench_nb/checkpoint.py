@@ -7,12 +7,16 @@ critic/ when PPO, rollout_state.pt. Nothing in it is unpickled as code.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Callable
 
 from .metrics import read_jsonl
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -41,6 +45,18 @@ def write_atomically(final: Path, write: Callable[[Path], None]) -> None:
     latest_tmp.replace(final.parent / "latest")
 
 
+def load_tensors(path: Path, map_location=None):
+    """torch.load with weights_only=True: tensors and plain containers only. A file that would run code
+    when unpickled (or is not a torch file at all) is refused with the file named, and nothing runs."""
+    import torch
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"refusing to load {path}: it is not a tensors-only file ({first}). Checkpoints "
+                              "are loaded without executing pickled code; load an earlier checkpoint") from None
+
+
 def write_json(path: Path, data: dict) -> None:
     """Replace a small JSON file atomically."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -48,12 +64,23 @@ def write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
+def _newest_complete(folder: Path) -> Path | None:
+    done = [p for p in folder.iterdir() if not p.name.startswith(".") and (p / "COMPLETE").exists()]
+    return max(done, key=lambda p: json.loads((p / "controller.json").read_text())["step"], default=None)
+
+
 def resolve(path: Path) -> Path:
-    """A checkpoint folder from a checkpoint path, a checkpoints/ folder or a run directory (-> latest)."""
+    """A checkpoint folder from a checkpoint path, a checkpoints/ folder or a run directory (-> latest).
+
+    If `latest` names a folder that is not there (a kill between moving an old checkpoint of the same
+    name aside and renaming the new one in), the newest complete checkpoint is used instead."""
     path = Path(path)
     for candidate in (path, path / "checkpoints"):
         if (candidate / "latest").is_file():
             path = candidate / (candidate / "latest").read_text().strip()
+            if not path.exists() and _newest_complete(candidate) is not None:
+                log.warning("checkpoint %s named by latest is missing; using the newest complete one", path)
+                path = _newest_complete(candidate)
             break
     if not (path / "controller.json").exists():
         raise CheckpointError(f"no checkpoint at {path} (expected controller.json; give a checkpoint folder "

@@ -45,7 +45,7 @@ def summary_table(summary: dict) -> str:
 
 
 def train(argv: list[str]) -> int:
-    args = _train_parser().parse_args(argv)
+    args = _train_parser().parse_intermixed_args(argv)  # flags may sit between the config and overrides
     from .session import Session
     import transformers
     transformers.logging.disable_progress_bar()

@@ -144,6 +144,8 @@ class TrainConfig(_Section):
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per epoch: the batch is split into this many mini-batches.")
     micro_batch_size: int = Field(256, ge=1, description="Sequences per forward/backward (gradient accumulation).")
     critic_warmup: int = Field(0, ge=0, description="Steps that train only the critic (PPO).")
+    max_skipped_steps: int = Field(5, ge=1, description="Consecutive steps whose whole update was skipped for a "
+                                   "non-finite loss or gradient before the run stops with an error.")
     logprob_chunk_mb: float = Field(256, ge=0, description="Memory (MiB of fp32 logits) per chunk of the fused "
                                     "log-prob/entropy op: full [B, T, V] logits never exist (0: the model's own "
                                     "forward, full logits).")
@@ -153,6 +155,8 @@ class TrainConfig(_Section):
 
 class RewardConfig(_Section):
     fn: str = Field("task", description="'task': the task's verifier; or 'module:function' / 'path/file.py:function'.")
+    timeout_s: float = Field(30.0, gt=0, description="A reward call running longer is cut: the sample scores 0 "
+                             "with a timeout error and the step goes on.")
 
 
 _SECTIONS = {

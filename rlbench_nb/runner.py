@@ -47,7 +47,7 @@ class BackgroundRun:
         self.error: BaseException | None = None
 
     @classmethod
-    def start(cls, session, steps, async_rollout: bool) -> "BackgroundRun":
+    def start(cls, session, steps, async_rollout: bool, on_failure: str = "raise") -> "BackgroundRun":
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -58,13 +58,14 @@ class BackgroundRun:
         session._raise_pending_error()
         run = cls(session, RunControl())
         session.background = run
-        run.task = loop.create_task(run._main(steps, async_rollout))  # a reference is kept: tasks can vanish
+        run.task = loop.create_task(run._main(steps, async_rollout, on_failure))  # a reference is kept: tasks can vanish
         return run
 
-    async def _main(self, steps, async_rollout) -> dict | None:
+    async def _main(self, steps, async_rollout, on_failure="raise") -> dict | None:
         sess = self.session
         try:
-            self.summary = await asyncio.to_thread(sess.run, steps, False, async_rollout, False, self.control)
+            self.summary = await asyncio.to_thread(sess.run, steps, False, async_rollout, False, self.control,
+                                                   on_failure)
         except BaseException as e:  # kept for the dashboard and the next interaction
             self.error = e
             sess._pending_error = e

@@ -28,6 +28,7 @@ import torch
 from . import checkpoint
 from .algos import apply_kl_penalty, compute_advantages, kl_penalty, make_kl_controller, masked_mean
 from .cluster import make_group
+from .cluster.errors import WorkerError
 from .config import Config
 from .data.batch import Batch
 from .data.datasets import PromptDataset, PromptSampler, read_rows, validate_rows
@@ -82,7 +83,7 @@ class Session:
         # role -> (worker class, constructor args): what restart(role) rebuilds from
         self._roles = {"policy": (PolicyWorker, (cfg, model_dir)),
                        "rollout": (rollout_worker_class(cfg.rollout.engine), (cfg, model_dir, eos, pad)),
-                       "reward": (RewardWorker, (self._reward_fn,))}
+                       "reward": (RewardWorker, (self._reward_fn, cfg.reward.timeout_s))}
         if cfg.uses_reference:
             self._roles["reference"] = (ReferenceWorker, (cfg, model_dir))
         if cfg.uses_critic:
@@ -105,6 +106,7 @@ class Session:
 
         self.kl_ctrl = make_kl_controller(cfg.algo)
         self.step_count = 0
+        self._skipped_in_a_row = 0                           # updates skipped for non-finite numbers, in a row
         self.history: list[dict] = []
         self.evals: list[dict] = []
         self._sinks: list = []
@@ -295,6 +297,7 @@ class Session:
             sum(m.get(f"time/{p}_s", 0.0) for p in ("rollout", "score", "prepare", "update"))
         self.step_count += 1
         self._log(m)
+        self._check_skips(m)
         for listener in list(self._listeners):
             listener(m)
         checkpoint.write_json(self.run_dir / "controller_state.json", self._controller_state())
@@ -302,6 +305,26 @@ class Session:
         if k and self.step_count % k == 0:
             self.save_rollouts(batch)
         return m
+
+    def _check_skips(self, m: dict) -> None:
+        """Warn on a skipped update; stop after train.max_skipped_steps in a row (the row is written first)."""
+        skipped = m.get("update/skipped", 0)
+        if not skipped:
+            self._skipped_in_a_row = 0
+            return
+        what = " and ".join(name for name, key in (("loss", "update/skipped_nonfinite_loss"),
+                                                   ("gradient norm", "update/skipped_nonfinite_grad")) if m.get(key))
+        total = self.cfg.train.epochs * self.cfg.train.mini_batches
+        log.warning("step %d: %g of %d optimizer step(s) skipped: non-finite %s (weights and optimizer untouched)",
+                    self.step_count, skipped, total, what)
+        self._skipped_in_a_row = self._skipped_in_a_row + 1 if skipped >= total else 0
+        if self._skipped_in_a_row >= self.cfg.train.max_skipped_steps:
+            self._skipped_in_a_row = 0
+            raise FloatingPointError(
+                f"the policy update was skipped {self.cfg.train.max_skipped_steps} steps in a row (up to step "
+                f"{self.step_count}): non-finite {what}. The weights are those of the last good update and every "
+                "metric row is written; look at reward/* and advantage/* in metrics.jsonl, lower train.lr, or "
+                "check the reward function's scale, then resume from the latest checkpoint")
 
     def sync_weights(self) -> dict:
         """Push the policy's full weights to every rollout rank; bytes and seconds are metrics."""
@@ -316,23 +339,26 @@ class Session:
                 out[f"sync/{key}"] = max(r[key] for r in res)
         return out
 
-    def restart(self, role: str) -> "Session":
-        """Rebuild a role's workers (e.g. after its process died). Trainer roles come back from the latest
+    def restart(self, *roles: str) -> "Session":
+        """Rebuild roles' workers (e.g. after a process died). Trainer roles come back from the latest
         checkpoint, and the whole session returns to that checkpoint's step so every role agrees."""
-        if role not in self._roles:
-            raise ValueError(f"unknown role '{role}'; this session has {list(self._roles)}")
-        self.groups[role].close()
-        cls, args = self._roles[role]
-        if role == "reward":
-            args = (self._reward_fn,)
-        self.groups[role] = make_group(self.cfg, role, cls, *args, name=self.run_dir.name)
-        if role in ("policy", "critic"):
-            if not (self.run_dir / "checkpoints" / "latest").exists():
-                raise checkpoint.CheckpointError(
-                    f"restarted '{role}' has its initial weights: no checkpoint in {self.run_dir}/checkpoints to "
-                    "restore; save regularly (run.checkpoint_every) or start a new session")
+        for role in roles:
+            if role not in self._roles:
+                raise ValueError(f"unknown role '{role}'; this session has {list(self._roles)}")
+        trainers = [r for r in roles if r in ("policy", "critic")]
+        if trainers and not (self.run_dir / "checkpoints" / "latest").exists():
+            raise checkpoint.CheckpointError(
+                f"cannot restart '{trainers[0]}': no checkpoint in {self.run_dir}/checkpoints to restore its "
+                "weights from; save regularly (run.checkpoint_every) or start a new session")
+        for role in roles:  # every role first, then weights: a restore syncs into the rollout engine
+            self.groups[role].close()
+            cls, args = self._roles[role]
+            if role == "reward":
+                args = (self._reward_fn, self.cfg.reward.timeout_s)
+            self.groups[role] = make_group(self.cfg, role, cls, *args, name=self.run_dir.name)
+        if trainers:
             self._restore(self.run_dir)
-        elif role == "rollout":
+        elif "rollout" in roles:
             self.sync_weights()
         return self
 
@@ -378,7 +404,7 @@ class Session:
         return Inspector(batch, tokenizer=self.tokenizer)
 
     def run(self, steps: int | None = None, progress: bool = True, async_rollout: bool = False,
-            background: bool = False, control: "RunControl | None" = None):
+            background: bool = False, control: "RunControl | None" = None, on_failure: str = "raise"):
         """`steps` iterations (default run.steps) with a progress bar; held-out accuracy before and after.
 
         With `async_rollout=True` the next batch is generated while this one is scored, prepared and
@@ -389,37 +415,57 @@ class Session:
         With `background=True` (in a Jupyter kernel) the same loop runs in a worker thread and this returns
         a `BackgroundRun` at once: the kernel stays free, `sess.pause()` / `resume()` / `stop()` (or the
         dashboard's buttons) act at the next step boundary, never mid-update; `await run` gives the summary.
+
+        `on_failure="restore"`: when a worker process dies or stops answering, its role is rebuilt
+        (`restart`: trainer roles come back from the latest checkpoint, and the session with them) and the
+        run goes on until it has done `steps` steps past where it started — at most 3 times per call.
+        Metric rows past the restored step move to metrics.superseded.jsonl; no checkpoint is touched.
         """
+        if on_failure not in ("raise", "restore"):
+            raise ValueError(f"on_failure={on_failure!r}: use 'raise' or 'restore'")
         if async_rollout and self.cfg.rollout.colocate:
             raise ValueError("async_rollout overlaps generation with the update, but rollout.colocate puts the "
                              "rollout engine to sleep during updates: turn one of them off")
         if background:
             from .runner import BackgroundRun
-            return BackgroundRun.start(self, steps, async_rollout)
+            return BackgroundRun.start(self, steps, async_rollout, on_failure)
         if control is None:  # a background run's own thread passes its control; anyone else checks first
             self._raise_pending_error()
         from tqdm.auto import tqdm
         steps = self.cfg.run.steps if steps is None else steps
         t0 = time.time()
         self.state = "running"
+        target, restores = self.step_count + steps, 0
         try:
             if not self.evals:
                 self.evaluate()
             before = self.evals[0]
             bar = tqdm(total=steps, desc="train", disable=not progress, dynamic_ncols=True)
-            pending = self._start_rollout() if async_rollout and steps else None
-            for i in range(steps):
+            pending = None
+            while self.step_count < target:
                 if control is not None and not control.proceed():
                     break  # stopped at a step boundary: the summary below still gets written
-                if pending is None:
-                    row = self.step()
-                else:
-                    t_step = time.perf_counter()
-                    batch = self._finish_rollout(pending)
-                    batch.info.update(off_policy=True, wall_start=t_step)
-                    # queued before this update's weight sync: generated with the weights of this step
-                    pending = self._start_rollout() if i + 1 < steps else None
-                    row = self.update(self.prepare(self.score(batch)))
+                try:
+                    if async_rollout and pending is None:
+                        pending = self._start_rollout()
+                    if pending is None:
+                        row = self.step()
+                    else:
+                        t_step = time.perf_counter()
+                        batch = self._finish_rollout(pending)
+                        batch.info.update(off_policy=True, wall_start=t_step)
+                        # queued before this update's weight sync: generated with the weights of this step
+                        pending = self._start_rollout() if self.step_count + 1 < target else None
+                        row = self.update(self.prepare(self.score(batch)))
+                except WorkerError as e:
+                    if on_failure != "restore" or restores >= 3:
+                        raise
+                    restores += 1
+                    pending = None  # an in-flight rollout belongs to the failed state
+                    self._restore_after(e)
+                    bar.n = max(0, self.step_count - (target - steps))
+                    bar.refresh()
+                    continue
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward/mean']:.3f}", step_s=f"{row['time/step_s']:.2f}")
                 if self.cfg.run.eval_every and self.step_count % self.cfg.run.eval_every == 0:
@@ -434,6 +480,13 @@ class Session:
             raise
         self.state = "finished"
         return self._write_summary(before, after, time.time() - t0, steps)
+
+    def _restore_after(self, error: WorkerError) -> None:
+        """on_failure='restore': rebuild every role with a dead rank (or the role that stopped answering)."""
+        roles = [r for r, g in self.groups.items() if g.dead_ranks()] or [error.role]
+        log.warning("step %d: %s — restarting %s (on_failure='restore')", self.step_count + 1,
+                    str(error).splitlines()[0], ", ".join(roles))
+        self.restart(*roles)
 
     def _write_summary(self, before: dict, after: dict, wall_s: float, steps: int) -> dict:
         rewards = [r["reward/mean"] for r in self.history if "reward/mean" in r]
@@ -530,7 +583,7 @@ class Session:
         if "critic" in self.groups:
             self.groups["critic"].call("load", str(path / "critic"))
         self.sync_weights()
-        states = torch.load(path / "rollout_state.pt", weights_only=True)  # one per rollout rank
+        states = checkpoint.load_tensors(path / "rollout_state.pt")  # one per rollout rank
         if len(states) != self.groups["rollout"].world_size:
             raise checkpoint.CheckpointError(f"checkpoint {path} has {len(states)} rollout rank(s); this session has "
                                              f"{self.groups['rollout'].world_size}: set cluster.rollout_ranks to match")

@@ -14,6 +14,7 @@ from .conftest import REPO
     ("benchmarks/logprob_memory.py", ["--tokens", "64", "--vocab", "1000", "--hidden", "32"]),
     ("benchmarks/rollout_throughput.py", ["--sizes", "tiny", "--engines", "plain", "hf", "--repeats", "1"]),
     ("benchmarks/gpu_smoke.py", ["--tiny", "--steps", "1"]),
+    ("benchmarks/soak.py", ["--steps", "3", "--every", "1"]),
 ])
 def test_benchmark_script_runs(script, args, tmp_path):
     out_json = tmp_path / "out.json"
@@ -22,4 +23,4 @@ def test_benchmark_script_runs(script, args, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads(out_json.read_text())
     assert data
-    assert any(h in out.stdout for h in ("backend", "mode", "method", "engine", "phase"))  # the table's header
+    assert any(h in out.stdout for h in ("backend", "mode", "method", "engine", "phase", "controller"))  # header

@@ -111,6 +111,8 @@ def test_reward_hot_swap_rescoring_and_errors_keep_the_step_going(small_cfg):
         else:
             assert score == float(len(resp)) and err is None
     n_err = sum(r.startswith("1") for r in batch["response"])
+    html = sess.inspect(rescored).table_html()  # the inspector shows each failing sample's error
+    assert html.count("length_reward&#x27; ValueError") == n_err
     stats = sess.update(sess.prepare(rescored))
     assert stats["reward/errors"] == n_err
 
@@ -252,6 +254,18 @@ def test_non_finite_loss_skips_the_update_and_keeps_weights(small_cfg):
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
     batch["advantages_BR"] = torch.full_like(batch["advantages_BR"], float("nan"))
     stats = sess.update(batch)
-    assert stats["update/skipped"] == 1
+    assert stats["update/skipped"] == 1 and stats["update/skipped_nonfinite_loss"] == 1
     assert all(torch.equal(v, policy.model.state_dict()[k]) for k, v in before.items())
     assert not policy.optimizer.state  # Adam moments untouched too
+
+
+def test_consecutive_skipped_updates_stop_the_run_and_keep_every_row(small_cfg, caplog):
+    sess = rl.Session(small_cfg("run.tensorboard=false", "train.max_skipped_steps=3"))
+    sess.step()
+    sess.set_reward(lambda prompt, response, **_: 1e39)  # finite in Python, inf in fp32: NaN advantages
+    with pytest.raises(FloatingPointError, match=r"skipped 3 steps in a row \(up to step 4\): non-finite loss"):
+        sess.run(10, progress=False)
+    assert "step 2: 1 of 1 optimizer step(s) skipped: non-finite loss" in caplog.text
+    rows = [r for r in read_jsonl(sess.run_dir / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["update/skipped"] == 1 for r in rows[1:])
+    sess.close()

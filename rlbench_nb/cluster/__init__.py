@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from .errors import WorkerDiedError, WorkerError
 from .local import CallRecord, LocalWorkerGroup
@@ -10,8 +11,9 @@ TRAINER_ROLES = ("policy", "reference", "critic")
 
 # Ray >= 2.59 protects clusters started on this machine (`ray start --head`) with the token in
 # ~/.ray/auth_token, but a driver joining by address sends it only if RAY_AUTH_MODE=token is set before
-# ray is imported: set it here, early, when that token exists.
-if os.path.exists(os.path.expanduser("~/.ray/auth_token")):
+# ray is imported: set it here, early, when that token exists. Not when ray is already imported: its
+# settings are fixed by then, and a later mismatch breaks even an embedded cluster ("Failed to start GCS").
+if os.path.exists(os.path.expanduser("~/.ray/auth_token")) and "ray" not in sys.modules:
     os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 

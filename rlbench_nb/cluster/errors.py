@@ -24,6 +24,28 @@ def user_frame(tb: types.TracebackType | None) -> str | None:
     return f"{best.filename}:{best.lineno}: {(best.line or '').strip()}"
 
 
+_OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "killed due to memory pressure")
+OOM_KNOBS = ("lower data.batch_size, rollout.n, train.micro_batch_size, rollout.micro_batch_size or "
+             "rollout.max_new_tokens; on a GPU also model.dtype=bfloat16 and train.activation_checkpointing=true")
+
+
+def is_out_of_memory(error: BaseException | str) -> bool:
+    """torch's CPU/CUDA allocator failures, Python's MemoryError, and Ray's OOM-killer message."""
+    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
+        return True
+    return any(m in str(error).lower() for m in _OOM_MARKERS)
+
+
+def memory_had() -> str:
+    """What this process held when it ran out: resident and peak memory, and the GPU's when there is one."""
+    from ..metrics.memory import memory_snapshot
+    m = memory_snapshot()
+    text = f"{m.get('rss_gb', 0.0):.2f} GB resident, {m['peak_rss_gb']:.2f} GB peak"
+    if "gpu_alloc_gb" in m:
+        text += f", GPU {m['gpu_alloc_gb']:.2f} GB allocated, {m['gpu_peak_gb']:.2f} GB peak"
+    return text
+
+
 class WorkerError(RuntimeError):
     """A worker call failed. `role`, `rank`, `method` say where; `frame` is the failing user line;
     `remote_traceback` is the full traceback from the worker's process (also for Ray actors)."""
@@ -41,7 +63,11 @@ class WorkerError(RuntimeError):
     @classmethod
     def from_exception(cls, role: str, rank: int, method: str, error: BaseException) -> "WorkerError":
         tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        return cls(role, rank, method, f"{type(error).__name__}: {error}", user_frame(error.__traceback__), tb)
+        summary = f"{type(error).__name__}: {error}"
+        if is_out_of_memory(error):  # measured here, in the process that ran out
+            summary = (f"out of memory (the process had {memory_had()}): {type(error).__name__}: "
+                       f"{str(error)[:300]} — {OOM_KNOBS}")
+        return cls(role, rank, method, summary, user_frame(error.__traceback__), tb)
 
 
 class WorkerDiedError(WorkerError):

@@ -75,6 +75,9 @@ class LocalWorkerGroup:
         """`call_shards`, with the ranks' result batches concatenated back in order."""
         return Batch.cat(self.call_shards(method, batch, *args, **kwargs))
 
+    def dead_ranks(self) -> list[int]:
+        return []  # in this process: if it died, so did the controller
+
     def close(self) -> None:
         for w in self.workers:  # engines with processes of their own (vLLM) stop them
             if hasattr(w, "close"):

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from ..data.batch import Batch
-from .errors import WorkerDiedError, WorkerError
+from .errors import OOM_KNOBS, WorkerDiedError, WorkerError, is_out_of_memory
 from .local import CallRecord
 
 
@@ -64,6 +64,21 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise ClusterError(f"could not start or reach the Ray cluster at cluster.address={address!r}: nothing "
                            f"answers there ({e}) — start it with `ray start --head`, check the address "
                            "(`ray status` on the head), or unset cluster.address for an embedded cluster") from None
+
+
+def _lost_cluster_error() -> "ClusterError | None":
+    """A ClusterError when the cluster's head (GCS) no longer answers, else None."""
+    import ray
+    try:
+        address = ray.get_runtime_context().gcs_address
+        _check_reachable(address, timeout_s=2.0)
+    except ClusterError:
+        return ClusterError(f"lost the Ray cluster at {address}: its head no longer answers, so every worker is "
+                            "gone. Start the cluster again and continue from the latest checkpoint: "
+                            "Session.load(run_dir) in Python, or `rlbench-nb train --resume RUN_DIR`")
+    except Exception:
+        return None
+    return None
 
 
 def shutdown_if_ours() -> None:
@@ -219,9 +234,16 @@ class RayWorkerGroup:
                                       cause.remote_traceback) from None
                 raise WorkerError(self.role, rank, method, str(e).splitlines()[-1], None, str(e)) from None
             except RayActorError as e:
+                lost = _lost_cluster_error()
+                if lost is not None:
+                    raise lost from None
+                last = self.memory.get(rank, {})
+                oom = (f" It ran out of memory (last reported {last.get('rss_gb', 0.0):.2f} GB resident): "
+                       f"{OOM_KNOBS}.") if is_out_of_memory(e) else ""
                 raise WorkerDiedError(self.role, rank, method, f"the worker process died (pid "
-                                      f"{self.info.get(rank, {}).get('pid', '?')}): {str(e).splitlines()[0]} — restart the role "
-                                      f"with sess.restart('{self.role}')") from None
+                                      f"{self.info.get(rank, {}).get('pid', '?')}): {str(e).splitlines()[0]}.{oom} "
+                                      f"Restart the role with sess.restart('{self.role}'), or run(..., "
+                                      f"on_failure='restore')") from None
             except GetTimeoutError:  # pragma: no cover - ray.wait handles the deadline
                 raise
         return [results[r] for r in range(len(refs))]
@@ -272,6 +294,20 @@ class RayWorkerGroup:
 
     def call_split(self, method: str, batch: Batch, *args, **kwargs) -> Batch:
         return Batch.cat(self.call_shards(method, batch, *args, **kwargs))
+
+    def dead_ranks(self, timeout: float = 10.0) -> list[int]:
+        """Ranks whose actor process is gone (a quick ping each)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+        dead = []
+        for rank, a in enumerate(self.actors):
+            try:
+                ray.get(a.get_meta.remote(), timeout=timeout)
+            except RayActorError:
+                dead.append(rank)
+            except GetTimeoutError:
+                pass  # alive but busy (a hung call): not dead
+        return dead
 
     def close(self) -> None:
         import ray

@@ -12,6 +12,7 @@ from ..config import Config
 from ..data.batch import Batch
 from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
+from ..checkpoint import load_tensors
 from .common import DTYPES, full_sequences, pick_device, read_safetensors, response_hidden_slice
 
 
@@ -108,7 +109,7 @@ class CriticWorker:
         where = "cpu" if self.sharded else self.device
         dist_util.load_full_model_state(self.model, read_safetensors(path / "value_model.safetensors", where),
                                         self.sharded)
-        extra = torch.load(path / "trainer_state.pt", map_location=where, weights_only=True)
+        extra = load_tensors(path / "trainer_state.pt", map_location=where)
         dist_util.load_full_optimizer_state(self.model, self.optimizer, extra["optimizer"], self.sharded)
 
     def memory(self) -> dict:

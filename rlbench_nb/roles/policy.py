@@ -17,6 +17,7 @@ from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
 from .common import (DTYPES, full_sequences, load_causal_lm, pick_device, read_safetensors, response_hidden_slice,
                      rng_state, set_rng_state)
+from ..checkpoint import load_tensors
 from .scorer import TokenScorer
 
 
@@ -89,21 +90,25 @@ class PolicyWorker(ReferenceWorker):
         """
         t = self.cfg.train
         totals: dict[str, float] = {}
-        n_steps = skipped = 0
+        n_steps = 0
+        skips = {"update/skipped_nonfinite_loss": 0, "update/skipped_nonfinite_grad": 0}
         for _ in range(t.epochs):
             for mini in batch.chunk(t.mini_batches):
                 stats = self._optimizer_step(mini, kl_coef)
-                if stats is None:
-                    skipped += 1
+                if isinstance(stats, str):  # skipped: which number was not finite
+                    skips[f"update/skipped_nonfinite_{stats}"] += 1
                     continue
                 n_steps += 1
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
         out = {k: v / max(n_steps, 1) for k, v in totals.items()}
-        out["update/skipped"] = skipped
+        out["update/skipped"] = sum(skips.values())
+        out.update(skips)
         return out
 
-    def _optimizer_step(self, mini: Batch, kl_coef: float) -> dict | None:
+    def _optimizer_step(self, mini: Batch, kl_coef: float) -> dict | str:
+        """One optimizer step over `mini` (in micro-batches): its stats, or "loss" / "grad" when a
+        non-finite loss or gradient norm made it skip (weights and optimizer state untouched)."""
         a = self.cfg.algo
         # denominators of the whole mini-batch across ranks: shards' losses then add up to the global loss
         counts = {"num_tokens": dist_util.all_reduce_sum(mini["response_mask_BR"].float().sum()),
@@ -131,7 +136,7 @@ class PolicyWorker(ReferenceWorker):
             # every rank must take the same branch: FSDP's backward is a collective
             if dist_util.all_reduce_sum(torch.tensor(0.0 if torch.isfinite(loss) else 1.0)) > 0:
                 self.optimizer.zero_grad(set_to_none=True)
-                return None
+                return "loss"
             (loss * world).backward()
             sums["loss/policy"] = sums.get("loss/policy", 0.0) + pg_loss.item()
             sums["entropy"] = sums.get("entropy", 0.0) + ent_loss.item()
@@ -141,7 +146,7 @@ class PolicyWorker(ReferenceWorker):
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
-            return None
+            return "grad"
         self.optimizer.step()
         keys = sorted(sums)  # shards' contributions -> the mini-batch's values, the same on every rank
         totals = dist_util.all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
@@ -171,7 +176,6 @@ class PolicyWorker(ReferenceWorker):
         path = Path(path)
         state = read_safetensors(path / "model.safetensors", "cpu" if self.sharded else self.device)
         dist_util.load_full_model_state(self.model, state, self.sharded)
-        extra = torch.load(path / "trainer_state.pt", map_location="cpu" if self.sharded else self.device,
-                           weights_only=True)
+        extra = load_tensors(path / "trainer_state.pt", map_location="cpu" if self.sharded else self.device)
         dist_util.load_full_optimizer_state(self.model, self.optimizer, extra["optimizer"], self.sharded)
         set_rng_state(extra["rng"])

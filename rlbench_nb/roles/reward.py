@@ -3,6 +3,11 @@
 A reward function is `fn(prompt: str, response: str, **row_fields) -> float` (row fields such as
 `answer` come from the dataset). If it raises, or returns NaN, None or a non-number, that sample
 scores 0 and carries the error text in `reward_error`; the count is the `reward/errors` metric.
+
+A call that runs longer than `reward.timeout_s` is cut: the sample scores 0 with a timeout error and
+the step goes on. Calls run on a helper thread so they can be timed out; a call that never returns
+cannot be killed from Python, so its thread is abandoned (it holds no lock the next calls need) and a
+fresh one takes the remaining samples.
 """
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import importlib
 import importlib.util
 import math
 import numbers
+import queue
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -48,11 +55,41 @@ def _fn_name(fn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
+class _CallThread:
+    """One daemon thread that runs calls handed to it; `run` waits at most `timeout` seconds."""
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        self._results: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, name="rlbench-nb-reward", daemon=True).start()
+
+    def _loop(self):
+        while True:
+            fn, args, kwargs = self._jobs.get()
+            try:
+                self._results.put((True, fn(*args, **kwargs)))
+            except BaseException as e:  # handed back to the caller, who decides
+                self._results.put((False, e))
+
+    def run(self, timeout: float, fn, *args, **kwargs):
+        """fn's result; raises what fn raised, or TimeoutError (this thread is then stuck: drop it)."""
+        self._jobs.put((fn, args, kwargs))
+        try:
+            ok, value = self._results.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no result within reward.timeout_s={timeout:g}s (hung?)") from None
+        if not ok:
+            raise value
+        return value
+
+
 class RewardWorker:
     role = "reward"
 
-    def __init__(self, fn: RewardFn):
+    def __init__(self, fn: RewardFn, timeout_s: float = 30.0):
         self.fn = fn
+        self.timeout_s = timeout_s
+        self._thread = _CallThread()
 
     def set_fn(self, fn: RewardFn) -> None:
         self.fn = fn
@@ -68,7 +105,11 @@ class RewardWorker:
             prompt, response = batch["prompt"][i], batch["response"][i]
             extra = {k: batch.meta[k][i] for k in extra_keys}
             try:
-                value = self.fn(prompt, response, **extra)
+                try:
+                    value = self._thread.run(self.timeout_s, self.fn, prompt, response, **extra)
+                except TimeoutError:
+                    self._thread = _CallThread()  # the stuck one is abandoned
+                    raise
                 if isinstance(value, bool) or not isinstance(value, numbers.Real):
                     raise TypeError(f"returned {type(value).__name__} {value!r}, expected a float")
                 value = float(value)

@@ -8,6 +8,7 @@ import torch
 
 import rlbench_nb as rl
 from rlbench_nb.cluster import WorkerDiedError, WorkerError
+from rlbench_nb.metrics import read_jsonl
 
 ray = pytest.importorskip("ray")
 
@@ -174,3 +175,29 @@ def test_vllm_engine_inside_a_rollout_actor(ray_cluster, small_cfg):
     while live_engine_processes() and time.time() < deadline:
         time.sleep(0.5)
     assert not live_engine_processes(), "closing the session leaves no vLLM engine process behind"
+
+
+def test_run_on_failure_restore_survives_killed_and_hung_workers(ray_cluster, small_cfg):
+    """Kill the rollout worker, freeze a policy rank (SIGSTOP: it hangs, so the call times out), kill the
+    reward worker: run(on_failure="restore") rebuilds each and finishes; no row or checkpoint is lost."""
+    sess = rl.Session(small_cfg(*RAY, "cluster.train_ranks=2", "run.checkpoint_every=2", "cluster.call_timeout_s=20"))
+    faults = {3: ("rollout", 0, signal.SIGKILL), 5: ("policy", 1, signal.SIGSTOP), 6: ("reward", 0, signal.SIGKILL)}
+    done = set()
+
+    def inject(row):
+        if row is not None and sess.step_count in faults and sess.step_count not in done:
+            done.add(sess.step_count)
+            role, rank, sig = faults[sess.step_count]
+            os.kill(sess.groups[role].info[rank]["pid"], sig)
+    sess._listeners.append(inject)
+    summary = sess.run(8, progress=False, on_failure="restore")
+    assert summary["steps"] == 8 and done == {3, 5, 6}
+    run_dir = sess.run_dir
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    # the policy rank froze after step 5: the session went back to the step-4 checkpoint and redid step 5
+    superseded = [r["step"] for r in read_jsonl(run_dir / "metrics.superseded.jsonl")]
+    assert superseded == [5]
+    for step in (2, 4, 6, 8):
+        assert (run_dir / "checkpoints" / f"step_{step}" / "COMPLETE").exists()
+    sess.close()

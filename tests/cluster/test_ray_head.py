@@ -117,3 +117,83 @@ def test_unreachable_address_is_a_clear_error_not_a_hang(tmp_path):
     assert out.returncode != 0
     assert f"ClusterError: could not start or reach the Ray cluster at cluster.address='127.0.0.1:{port}'" in out.stderr
     assert time.time() - t0 < 120
+
+
+LOSES_CLUSTER = """
+import sys, time, transformers
+transformers.logging.disable_progress_bar()
+import rlbench_nb as rl
+flag = sys.argv[1]
+sess = rl.Session(rl.Config.load(None, sys.argv[2:]))
+sess.step()
+open(flag, "w").write("stepped")
+while open(flag).read() != "stopped":   # the test stops the cluster under us
+    time.sleep(0.1)
+t = time.time()
+try:
+    sess.step()
+except Exception as e:
+    print(f"RAISED after {time.time() - t:.0f}s: {type(e).__name__}: {e}", flush=True)
+    sys.exit(3)
+print("NO ERROR", flush=True)
+"""
+
+
+def test_a_lost_cluster_is_a_clear_error_not_a_hang(ray_head, tmp_path):
+    flag = tmp_path / "flag"
+    proc = subprocess.Popen([sys.executable, "-c", LOSES_CLUSTER, str(flag), *SMALL, f"run.dir={tmp_path}",
+                             "cluster.backend=ray", f"cluster.address={ray_head}", "cluster.call_timeout_s=30",
+                             "run.tensorboard=false"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (flag.exists() and flag.read_text() == "stepped"):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.poll() else "slow"
+        time.sleep(0.2)
+    subprocess.run([RAY_CLI, "stop", "--force"], timeout=180, capture_output=True)
+    flag.write_text("stopped")
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 3, (out[-2000:], err[-3000:])
+    raised = next(line for line in out.splitlines() if line.startswith("RAISED"))
+    assert "ClusterError: lost the Ray cluster at " in raised and "its head no longer answers" in raised
+    assert "rlbench-nb train --resume RUN_DIR" in raised
+    assert int(raised.split()[2].rstrip("s:")) < 60  # seconds: an error, not a hang
+
+
+EMBEDDED = """
+import sys, time, transformers
+import ray
+import rlbench_nb as rl
+sess = rl.Session(rl.Config.load(None, sys.argv[2:]))
+open(sys.argv[1], "w").write(ray.get_runtime_context().gcs_address)
+time.sleep(120)
+"""
+
+
+def test_the_embedded_cluster_refuses_a_client_without_its_token(tmp_path):
+    """Ray binds every interface (it ignores loopback-only requests); the embedded cluster is safe only
+    because it is token-authenticated. A client without the token is refused."""
+    addr = tmp_path / "gcs"
+    owner = subprocess.Popen([sys.executable, "-c", EMBEDDED, str(addr), *SMALL, f"run.dir={tmp_path}",
+                              "cluster.backend=ray", "run.tensorboard=false"], cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 180
+        while not addr.exists() or not addr.read_text():
+            assert owner.poll() is None and time.time() < deadline
+            time.sleep(0.2)
+        intruder = subprocess.Popen(
+            [sys.executable, "-c", f"import ray; ray.init(address={addr.read_text()!r}); print('CONNECTED')"],
+            env={**os.environ, "RAY_AUTH_MODE": "disabled", "HOME": str(tmp_path)}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        seen = []
+        deadline = time.time() + 60
+        for line in intruder.stdout:
+            seen.append(line)
+            if "InvalidAuthToken" in line or "CONNECTED" in line or time.time() > deadline:
+                break
+        intruder.kill()
+        assert any("Unauthenticated" in l and "InvalidAuthToken" in l for l in seen), "".join(seen)[-2000:]
+        assert not any(l.startswith("CONNECTED") for l in seen)
+    finally:
+        owner.kill()
+        owner.wait()
+        subprocess.run([RAY_CLI, "stop", "--force"], timeout=180, capture_output=True)

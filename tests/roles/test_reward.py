@@ -54,3 +54,23 @@ def test_load_reward_fn_from_file_and_errors(tmp_path):
         load_reward_fn("justaname")
     with pytest.raises(ValueError, match="does not exist"):
         load_reward_fn(f"{tmp_path}/missing.py:f")
+
+
+def test_a_hanging_call_is_cut_and_the_rest_still_score():
+    import threading
+    import time
+    release = threading.Event()
+
+    def sometimes_hangs(prompt, response, answer):
+        if prompt == "3+3=":
+            release.wait(30)  # hangs (until the test lets it go)
+        return float(response == answer)
+
+    w = RewardWorker(sometimes_hangs, timeout_s=0.3)
+    t = time.perf_counter()
+    out = w.score(batch())
+    assert time.perf_counter() - t < 3
+    assert out["scores_B"].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0]  # after the hang a fresh thread scores on
+    assert "TimeoutError on sample 2" in out["reward_error"][2] and "reward.timeout_s=0.3s" in out["reward_error"][2]
+    assert w.score(batch())["reward_error"][2] is not None  # and again next step, without waiting twice as long
+    release.set()
