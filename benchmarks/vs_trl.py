@@ -1,0 +1,172 @@
+"""rlbench-nb vs TRL's GRPOTrainer on identical work: seconds per step, completion tokens/s, reward curves.
+
+    pip install trl                                   # a benchmark dependency only, never a runtime one
+    python benchmarks/vs_trl.py                       # tiny size, local + ray backends, 3 alternating reps
+    python benchmarks/vs_trl.py --sizes tiny 20m --steps 10 --reps 3 --json out.json
+
+Both sides get the same work, and this list is the contract:
+- model: the built-in task's warm-started Llama (tiny, 0.66M) or a 20M Llama from a config (random init,
+  hidden 512, 6 layers), the same initial weights, the same character tokenizer (left padding);
+- prompts: the built-in training split in file order (our `data.shuffle=false`, TRL `shuffle_dataset=False`),
+  the same prompts per step; group size `num_generations` = `rollout.n` = 8;
+- completions per step: tiny 64 (8 prompts x 8), 20m 256 (32 x 8); max new tokens: tiny 8, 20m 64;
+- sampling: temperature 1.0, top_p 1.0, top_k off; stop at EOS;
+- loss: PPO clip 0.2 both sides, one optimizer step per generation (`num_iterations=1`, one mini-batch),
+  token-mean aggregation (TRL `loss_type="dapo"`), advantages normalised by the group std
+  (`scale_rewards="group"`), no KL (`beta=0.0`, `algo.kl_coef=0`), no entropy bonus;
+- optimizer: AdamW lr 1e-4 (tiny) / 1e-5 (20m), betas (0.9, 0.999), eps 1e-8, weight decay 0, grad-norm
+  clip 1.0, constant LR (TRL `lr_scheduler_type="constant"`, no warmup);
+- everything else TRL would add turned off: `gradient_checkpointing=False`, fp32 (no bf16/fp16),
+  `disable_dropout=True`, no vLLM, no logging of completions, no saving, `report_to="none"`;
+- the whole batch in one forward/backward on each side (TRL `per_device_train_batch_size` = completions,
+  `gradient_accumulation_steps=1`, `steps_per_generation=1`; ours `train.micro_batch_size` >= completions);
+- the same torch thread count (`--threads`, default all cores); the same reward: the task's verifier.
+
+Reported per framework and backend: median seconds per step over the timed steps of each repetition
+(after --warmup steps), completion tokens/s, and the mean reward of the first and last steps. The two
+frameworks run alternately, --reps times, so machine noise hits both.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SIZES = {  # name: (model overrides or None for the warm-started tiny model, prompts/step, max new tokens, lr)
+    "tiny": (None, 8, 8, 1e-4),
+    "20m": (dict(hidden_size=512, num_layers=6, num_heads=8, intermediate_size=1536), 32, 64, 1e-5),
+}
+GROUP = 8
+
+
+def model_dir(size: str, root: Path) -> Path:
+    import rlbench_nb as rl
+    from rlbench_nb.data.tasks import load_task
+    task = load_task(rl.Config.load(None, []))
+    if SIZES[size][0] is None:
+        return Path(task.model_dir)
+    from rlbench_nb.config import ModelConfig
+    from rlbench_nb.data.tasks.arithmetic import make_model, make_tokenizer
+    path = root / size
+    tok = make_tokenizer(path)
+    make_model(ModelConfig(**SIZES[size][0]), len(tok), seed=0).save_pretrained(str(path))
+    return path
+
+
+def run_ours(path: Path, size: str, backend: str, steps: int, warmup: int, threads: int, run_dir: Path) -> dict:
+    import rlbench_nb as rl
+    _, prompts, max_new, lr = SIZES[size]
+    cfg = rl.Config.load(None, [
+        f"run.dir={run_dir}", "run.tensorboard=false", "run.save_rollouts_every=0", f"model.path={path}",
+        "data.shuffle=false", f"data.batch_size={prompts}", f"rollout.n={GROUP}", f"rollout.max_new_tokens={max_new}",
+        "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0", "algo.advantage=grpo",
+        "algo.loss_agg=token-mean", "algo.kl_coef=0.0", "algo.clip_low=0.2", "algo.clip_high=0.2",
+        f"train.lr={lr}", "train.grad_clip=1.0", "train.micro_batch_size=4096", "task.num_test=8",
+        f"cluster.backend={backend}", f"cluster.num_threads={threads}"])
+    sess = rl.Session(cfg)
+    rows = [sess.step() for _ in range(warmup + steps)]
+    sess.close()
+    timed = rows[warmup:]
+    tokens = [r["response_len/mean"] * prompts * GROUP for r in timed]
+    return {"step_s": statistics.median(r["time/step_s"] for r in timed),
+            "tok_s": sum(tokens) / sum(r["time/step_s"] for r in timed),
+            "rewards": [r["reward/mean"] for r in rows]}
+
+
+def run_trl(path: Path, size: str, steps: int, warmup: int, threads: int, out_dir: Path) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import rlbench_nb as rl
+    from rlbench_nb.data.tasks import load_task
+    _, prompts, max_new, lr = SIZES[size]
+    torch.set_num_threads(threads)
+    task = load_task(rl.Config.load(None, []))
+    rows = task.train_rows[: prompts * (warmup + steps)]
+    data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+
+    def verifier(prompts, completions, answer, **_):
+        return [task.verifier(p, c, a) for p, c, a in zip(prompts, completions, answer)]
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    args = GRPOConfig(
+        output_dir=str(out_dir), per_device_train_batch_size=prompts * GROUP, gradient_accumulation_steps=1,
+        num_generations=GROUP, max_completion_length=max_new, temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=lr, lr_scheduler_type="constant", warmup_ratio=0.0, weight_decay=0.0, adam_beta1=0.9,
+        adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, beta=0.0, epsilon=0.2, num_iterations=1,
+        loss_type="dapo", scale_rewards="group", shuffle_dataset=False, gradient_checkpointing=False,
+        bf16=False, fp16=False, use_cpu=not torch.cuda.is_available(), disable_dropout=True, use_vllm=False,
+        max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to="none", log_completions=False,
+        seed=0, dataloader_num_workers=0)
+    class StepTimer(TrainerCallback):  # wall time of each optimizer step (generation included)
+        times: list = []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t0)
+
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=model, reward_funcs=[verifier], args=args, train_dataset=data, processing_class=tok,
+                          callbacks=[timer])
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    timed = timer.times[warmup:]
+    lengths = [h.get("completions/mean_length", max_new) for h in logs][warmup:]
+    tokens = [n * prompts * GROUP for n in lengths]
+    return {"step_s": statistics.median(timed), "tok_s": sum(tokens) / sum(timed),
+            "rewards": [h["reward"] for h in logs]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", nargs="+", default=["tiny"], choices=list(SIZES))
+    ap.add_argument("--backends", nargs="+", default=["local", "ray"], choices=["local", "ray"])
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    root = Path(tempfile.mkdtemp(prefix="vs_trl_"))
+    results = []
+    for size in args.sizes:
+        path = model_dir(size, root)
+        for rep in range(args.reps):
+            for who in ["trl", *[f"ours-{b}" for b in args.backends]]:
+                out = root / f"{size}-{who}-{rep}"
+                r = (run_trl(path, size, args.steps, args.warmup, args.threads, out) if who == "trl" else
+                     run_ours(path, size, who.split("-")[1], args.steps, args.warmup, args.threads, out))
+                results.append({"size": size, "who": who, "rep": rep, **r})
+                print(f"{size} {who} rep {rep}: {r['step_s']:.3f} s/step, {r['tok_s']:,.0f} tok/s", flush=True)
+    print(f"\nvs TRL GRPOTrainer, identical work, {args.threads} threads, median over {args.reps} alternating reps "
+          f"of {args.steps} timed steps")
+    print(f"{'size':<6}{'framework':<12}{'s/step':>9}{'tok/s':>10}{'vs TRL':>8}{'reward first':>14}{'reward last':>13}")
+    for size in args.sizes:
+        rows = {w: [r for r in results if r["size"] == size and r["who"] == w] for w in {r["who"] for r in results}}
+        trl_s = statistics.median(r["step_s"] for r in rows["trl"])
+        for who in ["trl", *[f"ours-{b}" for b in args.backends]]:
+            rs = rows[who]
+            s = statistics.median(r["step_s"] for r in rs)
+            tok = statistics.median(r["tok_s"] for r in rs)
+            first = statistics.mean(statistics.mean(r["rewards"][:3]) for r in rs)
+            last = statistics.mean(statistics.mean(r["rewards"][-3:]) for r in rs)
+            print(f"{size:<6}{who:<12}{s:>9.3f}{tok:>10,.0f}{trl_s / s:>7.2f}x{first:>14.3f}{last:>13.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
