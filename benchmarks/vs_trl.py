@@ -11,7 +11,8 @@ Both sides get the same work, and this list is the contract:
   the same prompts per step; group size `num_generations` = `rollout.n` = 8;
 - completions per step: tiny 64 (8 prompts x 8), 20m 256 (32 x 8); max new tokens: tiny 8, 20m 64;
 - sampling: temperature 1.0, top_p 1.0, top_k off; stop at EOS;
-- loss: PPO clip 0.2 both sides, one optimizer step per generation (`num_iterations=1`, one mini-batch),
+- loss: PPO clip 0.2 both sides, one optimizer step per generation (`num_iterations=1`, one mini-batch;
+  old log-probs from the update's own forward: TRL's behaviour then, our `algo.reuse_logprobs=true`),
   token-mean aggregation (TRL `loss_type="dapo"`), advantages normalised by the group std
   (`scale_rewards="group"`), no KL (`beta=0.0`, `algo.kl_coef=0`), no entropy bonus;
 - optimizer: AdamW lr 1e-4 (tiny) / 1e-5 (20m), betas (0.9, 0.999), eps 1e-8, weight decay 0, grad-norm
@@ -66,6 +67,7 @@ def run_ours(path: Path, size: str, backend: str, steps: int, warmup: int, threa
         "data.shuffle=false", f"data.batch_size={prompts}", f"rollout.n={GROUP}", f"rollout.max_new_tokens={max_new}",
         "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0", "algo.advantage=grpo",
         "algo.loss_agg=token-mean", "algo.kl_coef=0.0", "algo.clip_low=0.2", "algo.clip_high=0.2",
+        "algo.reuse_logprobs=true",
         f"train.lr={lr}", "train.grad_clip=1.0", "train.micro_batch_size=4096", "task.num_test=8",
         f"cluster.backend={backend}", f"cluster.num_threads={threads}"])
     sess = rl.Session(cfg)
@@ -100,7 +102,7 @@ def run_trl(path: Path, size: str, steps: int, warmup: int, threads: int, out_di
     args = GRPOConfig(
         output_dir=str(out_dir), per_device_train_batch_size=prompts * GROUP, gradient_accumulation_steps=1,
         num_generations=GROUP, max_completion_length=max_new, temperature=1.0, top_p=1.0, top_k=0,
-        learning_rate=lr, lr_scheduler_type="constant", warmup_ratio=0.0, weight_decay=0.0, adam_beta1=0.9,
+        learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
         adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, beta=0.0, epsilon=0.2, num_iterations=1,
         loss_type="dapo", scale_rewards="group", shuffle_dataset=False, gradient_checkpointing=False,
         bf16=False, fp16=False, use_cpu=not torch.cuda.is_available(), disable_dropout=True, use_vllm=False,

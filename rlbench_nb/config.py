@@ -132,6 +132,9 @@ class AlgoConfig(_Section):
     kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     value_clip: float = Field(0.5, gt=0, description="Clipped value loss range (PPO).")
+    reuse_logprobs: bool = Field(False, description="On-policy single-epoch updates without a reference model take "
+                                 "the old log-probs from the update's own forward (ratio exactly 1, as TRL does with "
+                                 "num_iterations=1) instead of a separate forward in prepare(), which then has none.")
 
 
 class TrainConfig(_Section):

@@ -243,7 +243,7 @@ class Session:
         if batch.info.get("off_policy"):
             # one step off-policy: the importance ratio is against the policy that generated the batch
             batch["old_logprobs_BR"] = batch["rollout_logprobs_BR"]
-        else:
+        elif not self._reuses_logprobs():
             batch.update(self.groups["policy"].call_split("compute_logprobs", batch))
         mask = batch["response_mask_BR"].float()
         m = batch.info.setdefault("metrics", {})
@@ -273,6 +273,12 @@ class Session:
                   "advantage/abs_max": (adv.abs() * mask).max().item(),
                   "throughput/prepare_tok_s": _total_tokens(batch) / max(dt, 1e-9)})
         return batch
+
+    def _reuses_logprobs(self) -> bool:
+        """algo.reuse_logprobs, where it is exact: the update's first forward sees the weights that sampled."""
+        t = self.cfg.train
+        return (self.cfg.algo.reuse_logprobs and t.epochs == 1 and t.mini_batches == 1
+                and "reference" not in self.groups)
 
     def update(self, batch: Batch) -> dict:
         """Critic and policy optimizer steps on `batch`, then weights to the rollout engine. Ends the step."""

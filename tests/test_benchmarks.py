@@ -1,4 +1,5 @@
 """Each benchmark script runs at its smallest setting, so none of them rots."""
+import importlib.util
 import json
 import subprocess
 import sys
@@ -15,6 +16,9 @@ from .conftest import REPO
     ("benchmarks/rollout_throughput.py", ["--sizes", "tiny", "--engines", "plain", "hf", "--repeats", "1"]),
     ("benchmarks/gpu_smoke.py", ["--tiny", "--steps", "1"]),
     ("benchmarks/soak.py", ["--steps", "3", "--every", "1"]),
+    pytest.param("benchmarks/vs_trl.py", ["--backends", "local", "--steps", "1", "--warmup", "0", "--reps", "1"],
+                 marks=pytest.mark.skipif(importlib.util.find_spec("trl") is None,
+                                          reason="TRL is a benchmark-only dependency: pip install trl")),
 ])
 def test_benchmark_script_runs(script, args, tmp_path):
     out_json = tmp_path / "out.json"
@@ -23,4 +27,4 @@ def test_benchmark_script_runs(script, args, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads(out_json.read_text())
     assert data
-    assert any(h in out.stdout for h in ("backend", "mode", "method", "engine", "phase", "controller"))  # header
+    assert any(h in out.stdout for h in ("backend", "mode", "method", "engine", "phase", "controller", "framework"))

@@ -120,7 +120,9 @@ class PolicyWorker(ReferenceWorker):
             mask = mb["response_mask_BR"].float().to(self.device)
             weight = mask.sum() / counts["num_tokens"]  # share of this micro-batch in the token-mean stats
             lp, ent = self._forward(mb, with_entropy=True)
-            pg_BR, pg_stats = ppo_policy_loss(lp, mb["old_logprobs_BR"].to(self.device),
+            # without old log-probs (algo.reuse_logprobs) the policy is the one that sampled: ratio 1
+            old = mb["old_logprobs_BR"].to(self.device) if "old_logprobs_BR" in mb else lp.detach()
+            pg_BR, pg_stats = ppo_policy_loss(lp, old,
                                               mb["advantages_BR"].to(self.device), mask,
                                               a.clip_low, a.clip_high, a.dual_clip)
             pg_loss = agg_loss(pg_BR, mask, a.loss_agg, **counts)

@@ -56,27 +56,35 @@ def _fn_name(fn) -> str:
 
 
 class _CallThread:
-    """One daemon thread that runs calls handed to it; `run` waits at most `timeout` seconds."""
+    """A daemon thread that runs `fn` over a list of calls, handing each result back as it finishes; the
+    caller waits at most `timeout` for each. One hand-off per batch, not per call."""
 
     def __init__(self):
         self._jobs: queue.Queue = queue.Queue()
         self._results: queue.Queue = queue.Queue()
+        self.cancelled = False
         threading.Thread(target=self._loop, name="rlbench-nb-reward", daemon=True).start()
 
     def _loop(self):
         while True:
-            fn, args, kwargs = self._jobs.get()
-            try:
-                self._results.put((True, fn(*args, **kwargs)))
-            except BaseException as e:  # handed back to the caller, who decides
-                self._results.put((False, e))
+            fn, calls = self._jobs.get()
+            for args, kwargs in calls:
+                if self.cancelled:  # abandoned after a hang: leave the rest to the next thread
+                    return
+                try:
+                    self._results.put((True, fn(*args, **kwargs)))
+                except BaseException as e:  # handed back to the caller, who decides
+                    self._results.put((False, e))
 
-    def run(self, timeout: float, fn, *args, **kwargs):
-        """fn's result; raises what fn raised, or TimeoutError (this thread is then stuck: drop it)."""
-        self._jobs.put((fn, args, kwargs))
+    def start(self, fn, calls: list) -> None:
+        self._jobs.put((fn, calls))
+
+    def next(self, timeout: float):
+        """The next call's result; raises what it raised, or TimeoutError (drop this thread then)."""
         try:
             ok, value = self._results.get(timeout=timeout)
         except queue.Empty:
+            self.cancelled = True
             raise TimeoutError(f"no result within reward.timeout_s={timeout:g}s (hung?)") from None
         if not ok:
             raise value
@@ -100,15 +108,26 @@ class RewardWorker:
         The function gets the dataset row's fields (`batch.info["row_fields"]`, e.g. `answer`), not the
         fields later phases add (advantages, errors)."""
         extra_keys = [k for k in batch.info.get("row_fields", ()) if k in batch.meta]
+        calls = [((batch["prompt"][i], batch["response"][i]), {k: batch.meta[k][i] for k in extra_keys})
+                 for i in range(len(batch))]
         scores, errors = [], []
-        for i in range(len(batch)):
-            prompt, response = batch["prompt"][i], batch["response"][i]
-            extra = {k: batch.meta[k][i] for k in extra_keys}
+        self._thread.start(self.fn, calls)
+        try:
+            self._collect(calls, scores, errors)
+        except BaseException:  # interrupted mid-batch: its leftover results must not reach the next batch
+            self._thread.cancelled = True
+            self._thread = _CallThread()
+            raise
+        return Batch({"scores_B": torch.tensor(scores, dtype=torch.float32)}, {"reward_error": errors})
+
+    def _collect(self, calls: list, scores: list, errors: list) -> None:
+        for i, ((prompt, _), _) in enumerate(calls):
             try:
                 try:
-                    value = self._thread.run(self.timeout_s, self.fn, prompt, response, **extra)
+                    value = self._thread.next(self.timeout_s)
                 except TimeoutError:
-                    self._thread = _CallThread()  # the stuck one is abandoned
+                    self._thread = _CallThread()  # the stuck one is abandoned; a fresh one takes the rest
+                    self._thread.start(self.fn, calls[i + 1:])
                     raise
                 if isinstance(value, bool) or not isinstance(value, numbers.Real):
                     raise TypeError(f"returned {type(value).__name__} {value!r}, expected a float")
@@ -121,7 +140,6 @@ class RewardWorker:
                 scores.append(0.0)
                 errors.append(f"reward function '{_fn_name(self.fn)}' {type(e).__name__} on sample {i} "
                               f"(prompt {prompt[:40]!r}): {e}")
-        return Batch({"scores_B": torch.tensor(scores, dtype=torch.float32)}, {"reward_error": errors})
 
     def memory(self) -> dict:
         return memory_snapshot()

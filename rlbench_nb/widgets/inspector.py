@@ -104,6 +104,8 @@ class Inspector:
             values = (b["old_logprobs_BR"][index] - b["ref_logprobs_BR"][index])[mask]
         else:
             field = TOKEN_FIELDS.get(quantity)
+            if field == "old_logprobs_BR" and field not in b:  # algo.reuse_logprobs: the sampler's are the same
+                field = "rollout_logprobs_BR"
             if field is None or field not in b:
                 raise ValueError(f"'{quantity}' is not in this batch; prepare() it first")
             values = b[field][index][mask]

@@ -10,6 +10,10 @@ import rlbench_nb as rl
 KEYS = ("reward/mean", "loss/policy", "loss/kl", "entropy", "actor/grad_norm", "actor/clip_frac", "kl/ref")
 
 
+def _row(row: dict) -> dict:
+    return {k: row.get(k) for k in KEYS}
+
+
 def _step(cfg):
     """One step: its metrics and the update each weight tensor received."""
     sess = rl.Session(cfg)
@@ -18,7 +22,7 @@ def _step(cfg):
     row = sess.step()
     delta = {k: v - before[k] for k, v in model.state_dict().items()}
     sess.close()
-    return {k: row[k] for k in KEYS}, delta
+    return _row(row), delta
 
 
 def test_chunked_head_and_activation_checkpointing_give_the_same_update(small_cfg):
@@ -33,6 +37,18 @@ def test_chunked_head_and_activation_checkpointing_give_the_same_update(small_cf
             # compared as whole-tensor updates: Adam's first step is ~lr * sign(grad), so a gradient
             # entry of ~1e-9 may flip between two exact-in-math computations; the update as a whole may not
             assert (w[k] - ref_w[k]).norm() <= 1e-2 * ref_w[k].norm() + 1e-7, (variant, k)
+
+
+def test_reused_logprobs_skip_the_prepare_forward_and_give_the_same_update(small_cfg):
+    base = ["run.tensorboard=false", "algo.entropy_coef=0.01", "train.lr=1e-2"]
+    ref_row, ref_w = _step(small_cfg(*base))
+    row, w = _step(small_cfg(*base, "algo.reuse_logprobs=true"))
+    assert row == pytest.approx(ref_row, rel=1e-5, abs=1e-7)
+    for k in ref_w:
+        assert (w[k] - ref_w[k]).norm() <= 1e-3 * ref_w[k].norm() + 1e-7, k
+    sess = rl.Session(small_cfg(*base, "algo.reuse_logprobs=true"))
+    assert "old_logprobs_BR" not in sess.prepare(sess.score(sess.rollout()))  # no extra forward was run
+    sess.close()
 
 
 def test_bfloat16_keeps_fp32_masters_and_syncs_a_bf16_rollout_copy(small_cfg):

@@ -71,7 +71,7 @@ class HFRolloutWorker(RolloutWorker):
         greedy = p.temperature == 0
         # the sampling warpers are ours, not generate()'s: HF puts its own after any custom processor,
         # and the log-prob recorder must see the final distribution the token is drawn from
-        warpers = [] if greedy else [TemperatureLogitsWarper(p.temperature)] + \
+        warpers = [] if greedy else ([TemperatureLogitsWarper(p.temperature)] if p.temperature != 1 else []) + \
             ([TopKLogitsWarper(p.top_k)] if p.top_k else []) + ([TopPLogitsWarper(p.top_p)] if p.top_p < 1 else [])
         recorder = _SampledLogprobs()
         gen_cfg = GenerationConfig(
@@ -93,8 +93,16 @@ class HFRolloutWorker(RolloutWorker):
                       "rollout_logprobs_BR": logprobs.cpu()})
 
     def set_weights(self, state: dict[str, torch.Tensor], version: int) -> dict:
-        """Load new policy weights in place; returns bytes moved."""
-        load_weights(self.model, {k: v.to(self.device) for k, v in state.items()})
+        """Load new policy weights in place; returns bytes moved. The first call checks that the names fit
+        (`load_weights`); later ones with the same names copy tensor by tensor, with no state_dict walk."""
+        if getattr(self, "_targets", None) is None or set(state) != self._names:
+            load_weights(self.model, {k: v.to(self.device) for k, v in state.items()})
+            self._names = set(state)
+            self._targets = self.model.state_dict(keep_vars=True)
+        else:
+            with torch.no_grad():
+                for k, v in state.items():
+                    self._targets[k].copy_(v, non_blocking=True)
         self.weight_version = version
         return {"bytes": sum(v.numel() * v.element_size() for v in state.values())}
 
