@@ -51,4 +51,5 @@ class TokenScorer(nn.Module):
         h = hidden[:, start:start + R].reshape(B * R, -1).to(self.compute_dtype)
         lp, ent = token_logprobs_entropy(h, self.lm.get_output_embeddings().weight, response_ids_BR.reshape(-1),
                                          self.temperature, self.chunk_size)
-        return lp.view(B, R), (ent.view(B, R) if with_entropy else None)
+        # fresh tensors, not views: FSDP2 hooks the root's outputs for backward, and a view could lose that
+        return lp.view(B, R).clone(), (ent.view(B, R).clone() if with_entropy else None)
