@@ -340,9 +340,8 @@ class Session:
             self.groups["rollout"].call("wake_up")
         res = self.groups["rollout"].call("set_weights", weights, self.step_count + 1)
         out = {"sync/s": time.perf_counter() - t0, "sync/bytes": sum(r["bytes"] for r in res)}
-        for key in ("write_s", "reload_s"):  # the vLLM engine's two halves: safetensors to shm, in-place reload
-            if key in res[0]:
-                out[f"sync/{key}"] = max(r[key] for r in res)
+        for key in res[0].keys() - {"bytes"}:  # an engine's own timings (vLLM: write_s, reload_s), slowest rank
+            out[f"sync/{key}"] = max(r[key] for r in res)
         return out
 
     def restart(self, *roles: str) -> "Session":

@@ -299,10 +299,11 @@ class RayWorkerGroup:
         """Ranks whose actor process is gone (a quick ping each)."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
-        dead = []
-        for rank, a in enumerate(self.actors):
+        pings = [a.get_meta.remote() for a in self.actors]  # all at once: one timeout, not one per rank
+        deadline, dead = time.time() + timeout, []
+        for rank, ref in enumerate(pings):
             try:
-                ray.get(a.get_meta.remote(), timeout=timeout)
+                ray.get(ref, timeout=max(deadline - time.time(), 0.1))
             except RayActorError:
                 dead.append(rank)
             except GetTimeoutError:
