@@ -1,7 +1,7 @@
 """rlbench-nb vs TRL's GRPOTrainer on identical work: seconds per step, completion tokens/s, reward curves.
 
     pip install trl                                   # a benchmark dependency only, never a runtime one
-    python benchmarks/vs_trl.py                       # tiny size, local + ray backends, 3 alternating reps
+    python benchmarks/vs_trl.py                       # tiny size; local, ray, ray-colocated; 3 alternating reps
     python benchmarks/vs_trl.py --sizes tiny 20m --steps 10 --reps 3 --json out.json
 
 Both sides get the same work, and this list is the contract:
@@ -22,6 +22,14 @@ Both sides get the same work, and this list is the contract:
 - the whole batch in one forward/backward on each side (TRL `per_device_train_batch_size` = completions,
   `gradient_accumulation_steps=1`, `steps_per_generation=1`; ours `train.micro_batch_size` >= completions);
 - the same torch thread count (`--threads`, default all cores); the same reward: the task's verifier.
+
+What differs is how, not what (the same math, so the same distribution of results): our rollout engine
+prefills each distinct prompt once for its 8 samples and stops computing a sequence once it has sampled
+EOS (HF `generate`, which TRL calls, runs the whole padded batch until the longest row ends), and our
+update runs each distinct prompt through the decoder once with its KV cache shared by the 8 responses
+(`train.share_prompt_prefix`). Backends: `local` (every role in this process), `ray` (policy, rollout
+and reward each in an actor), `ray-colocated` (`rollout.colocate=true`: the rollout engine inside the
+policy's actor, as verl's hybrid engine; the reward stays an actor of its own).
 
 Reported per framework and backend: median seconds per step over the timed steps of each repetition
 (after --warmup steps), completion tokens/s, and the mean reward of the first and last steps. The two
@@ -59,6 +67,13 @@ def model_dir(size: str, root: Path) -> Path:
     return path
 
 
+BACKENDS = {  # name in the table: overrides
+    "local": ["cluster.backend=local"],
+    "ray": ["cluster.backend=ray"],                                   # policy, rollout, reward: one actor each
+    "ray-colocated": ["cluster.backend=ray", "rollout.colocate=true"],  # rollout engine in the policy's actor
+}
+
+
 def run_ours(path: Path, size: str, backend: str, steps: int, warmup: int, threads: int, run_dir: Path) -> dict:
     import rlbench_nb as rl
     _, prompts, max_new, lr = SIZES[size]
@@ -69,14 +84,19 @@ def run_ours(path: Path, size: str, backend: str, steps: int, warmup: int, threa
         "algo.loss_agg=token-mean", "algo.kl_coef=0.0", "algo.clip_low=0.2", "algo.clip_high=0.2",
         "algo.reuse_logprobs=true",
         f"train.lr={lr}", "train.grad_clip=1.0", "train.micro_batch_size=4096", "task.num_test=8",
-        f"cluster.backend={backend}", f"cluster.num_threads={threads}"])
+        *BACKENDS[backend], f"cluster.num_threads={threads}"])
     sess = rl.Session(cfg)
-    rows = [sess.step() for _ in range(warmup + steps)]
+    rows, walls = [], []
+    for _ in range(warmup + steps):  # wall time of the whole step() call: controller work included
+        t0 = time.perf_counter()
+        rows.append(sess.step())
+        walls.append(time.perf_counter() - t0)
     sess.close()
-    timed = rows[warmup:]
+    timed, walls = rows[warmup:], walls[warmup:]
     tokens = [r["response_len/mean"] * prompts * GROUP for r in timed]
-    return {"step_s": statistics.median(r["time/step_s"] for r in timed),
-            "tok_s": sum(tokens) / sum(r["time/step_s"] for r in timed),
+    return {"step_s": statistics.median(walls), "tok_s": sum(tokens) / sum(walls),
+            "phases_ms": {k.split("/")[1]: round(1000 * statistics.median(r.get(k, 0.0) for r in timed), 2)
+                          for k in ("time/rollout_s", "time/score_s", "time/prepare_s", "time/update_s", "sync/s")},
             "rewards": [r["reward/mean"] for r in rows]}
 
 
@@ -132,7 +152,7 @@ def run_trl(path: Path, size: str, steps: int, warmup: int, threads: int, out_di
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=["tiny"], choices=list(SIZES))
-    ap.add_argument("--backends", nargs="+", default=["local", "ray"], choices=["local", "ray"])
+    ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     ap.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
@@ -150,12 +170,12 @@ def main():
             for who in ["trl", *[f"ours-{b}" for b in args.backends]]:
                 out = root / f"{size}-{who}-{rep}"
                 r = (run_trl(path, size, args.steps, args.warmup, args.threads, out) if who == "trl" else
-                     run_ours(path, size, who.split("-")[1], args.steps, args.warmup, args.threads, out))
+                     run_ours(path, size, who.removeprefix("ours-"), args.steps, args.warmup, args.threads, out))
                 results.append({"size": size, "who": who, "rep": rep, **r})
                 print(f"{size} {who} rep {rep}: {r['step_s']:.3f} s/step, {r['tok_s']:,.0f} tok/s", flush=True)
     print(f"\nvs TRL GRPOTrainer, identical work, {args.threads} threads, median over {args.reps} alternating reps "
           f"of {args.steps} timed steps")
-    print(f"{'size':<6}{'framework':<12}{'s/step':>9}{'tok/s':>10}{'vs TRL':>8}{'reward first':>14}{'reward last':>13}")
+    print(f"{'size':<6}{'framework':<19}{'s/step':>9}{'tok/s':>10}{'vs TRL':>8}{'reward first':>14}{'reward last':>13}")
     for size in args.sizes:
         rows = {w: [r for r in results if r["size"] == size and r["who"] == w] for w in {r["who"] for r in results}}
         trl_s = statistics.median(r["step_s"] for r in rows["trl"])
@@ -165,7 +185,7 @@ def main():
             tok = statistics.median(r["tok_s"] for r in rs)
             first = statistics.mean(statistics.mean(r["rewards"][:3]) for r in rs)
             last = statistics.mean(statistics.mean(r["rewards"][-3:]) for r in rs)
-            print(f"{size:<6}{who:<12}{s:>9.3f}{tok:>10,.0f}{trl_s / s:>7.2f}x{first:>14.3f}{last:>13.3f}")
+            print(f"{size:<6}{who:<19}{s:>9.3f}{tok:>10,.0f}{trl_s / s:>7.2f}x{first:>14.3f}{last:>13.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -102,8 +102,9 @@ class RolloutConfig(_Section):
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
     max_new_tokens: int = Field(8, ge=1, description="Response length cap; generation also stops at EOS.")
     micro_batch_size: int = Field(512, ge=1, description="HF engine: sequences per generate() call.")
-    colocate: bool = Field(False, description="Rollout shares the GPUs with the trainers: it sleeps during updates "
-                           "(vLLM sleep mode / HF weights to host memory); a no-op on CPU.")
+    colocate: bool = Field(False, description="Rollout shares the trainers' devices and, under Ray, the policy's "
+                           "processes (weights handed over in memory; cluster.rollout_ranks = train_ranks); it "
+                           "sleeps during updates (vLLM sleep mode / HF weights to host memory; a no-op on CPU).")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs per rollout engine.")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on GPU: share of GPU memory for "
                                           "weights + KV cache (leave room for the trainers when colocated).")
@@ -154,6 +155,9 @@ class TrainConfig(_Section):
                                     "forward, full logits).")
     activation_checkpointing: bool = Field(False, description="Recompute decoder activations in the backward "
                                            "pass (less memory, ~1/3 more compute).")
+    share_prompt_prefix: bool = Field(True, description="Run each distinct prompt through the decoder once and "
+                                      "reuse its KV cache for its rollout.n responses (log-probs and update). "
+                                      "Same numbers; used when the role is not sharded and activations are kept.")
 
 
 class RewardConfig(_Section):
@@ -191,6 +195,9 @@ class Config(_Section):
             # FSDP2 ranks run collectives in lockstep: each needs the same number of (micro-)batches
             raise ValueError(f"data.batch_size x rollout.n = {samples} samples must divide evenly into "
                              f"cluster.train_ranks x train.mini_batches = {ranks * self.train.mini_batches}")
+        if self.cluster.backend == "ray" and self.rollout.colocate and self.cluster.rollout_ranks != ranks:
+            raise ValueError(f"rollout.colocate runs one rollout engine in each policy process: set "
+                             f"cluster.rollout_ranks={ranks} (= cluster.train_ranks), not {self.cluster.rollout_ranks}")
         return self
 
     @property

@@ -27,7 +27,7 @@ import torch
 
 from . import checkpoint
 from .algos import apply_kl_penalty, compute_advantages, kl_penalty, make_kl_controller, masked_mean
-from .cluster import make_group
+from .cluster import host_role, make_group
 from .cluster.errors import WorkerError
 from .config import Config
 from .data.batch import Batch
@@ -92,12 +92,14 @@ class Session:
         if _attach:  # the actors are alive (detached): find them by name
             from .cluster import world_size_for
             from .cluster.ray_backend import RayWorkerGroup
-            self.groups = {role: RayWorkerGroup.reattach(cfg, role, world_size_for(cfg, role), self.name)
-                           for role in self._roles}
+            for role in self._roles:  # hosts come first in _roles
+                host = self.groups.get(host_role(cfg, role) or "")
+                self.groups[role] = RayWorkerGroup.reattach(cfg, role, world_size_for(cfg, role), self.name, host)
         else:
             try:
                 for role, (cls, args) in self._roles.items():
-                    self.groups[role] = make_group(cfg, role, cls, *args, name=self.name)
+                    self.groups[role] = make_group(cfg, role, cls, *args, name=self.name,
+                                                   host=self.groups.get(host_role(cfg, role) or ""))
             except BaseException:
                 self.close()  # no half-built session keeps actors alive
                 raise
@@ -172,7 +174,7 @@ class Session:
 
     def _encode(self, rows: list[dict], n: int, tag: str) -> Batch:
         """Rows repeated n times, prompts tokenised and left-padded; extra row fields ride along."""
-        ids = [self._prompt_ids(r["prompt"]) for r in rows for _ in range(n)]
+        ids = [x for r in rows for x in [self._prompt_ids(r["prompt"])] * n]  # tokenised once per row
         width = max(map(len, ids))
         pad = self.tokenizer.pad_token_id
         prompt_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
@@ -194,13 +196,13 @@ class Session:
             rows = [self.train_data.rows[i] for i in self.sampler.next_indices()]
         batch = self._encode(rows, self.cfg.rollout.n, tag=f"s{self.step_count}")
         t0 = time.perf_counter()  # before submitting: the local backend does the work inside submit_shards
-        return batch, self.groups["rollout"].submit_shards("generate", batch), t0
+        return batch, self.groups["rollout"].submit_shards("generate", batch.only("prompt_ids_BP", "prompt_mask_BP")), t0
 
     def _finish_rollout(self, started: tuple) -> Batch:
         batch, handle, t0 = started
         batch.update(Batch.cat(self.groups["rollout"].collect(handle)))
         dt = time.perf_counter() - t0
-        if self.cfg.rollout.colocate:  # give the accelerator to the trainers until the next weight sync
+        if self._rollout_sleeps():  # give the accelerator to the trainers until the next weight sync
             self.groups["rollout"].call("sleep")
         self._decode(batch)
         lens = batch["response_mask_BR"].sum(-1).float()
@@ -221,7 +223,8 @@ class Session:
     def score(self, batch: Batch) -> Batch:
         """Rewards: `scores_B`, per-sample `reward_error`, and `token_rewards_BR` (score on the last token)."""
         t0 = time.perf_counter()
-        batch.update(self.groups["reward"].call_split("score", batch))
+        fields = ("prompt", "response", *batch.info.get("row_fields", ()))  # what a reward function is given
+        batch.update(self.groups["reward"].call_split("score", batch.only(*fields)))
         scores, mask = batch["scores_B"], batch["response_mask_BR"]
         last = (mask.sum(-1) - 1).clamp(min=0)
         token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
@@ -290,9 +293,14 @@ class Session:
             shards = _minibatch_major(batch, self.cfg.train.mini_batches, self.groups["critic"].world_size)
             m.update(_mean_over_ranks(self.groups["critic"].call_shards("update", shards)))
         if self.step_count >= self.cfg.train.critic_warmup:
-            shards = _minibatch_major(batch, self.cfg.train.mini_batches, self.groups["policy"].world_size)
-            m.update(_mean_over_ranks(self.groups["policy"].call_shards("update", shards, self.kl_ctrl.value)))
-            m.update(self.sync_weights())
+            policy = self.groups["policy"]
+            shards = _minibatch_major(batch, self.cfg.train.mini_batches, policy.world_size)
+            handle = policy.submit_shards("update", shards, self.kl_ctrl.value)
+            # under Ray the weight push is queued right behind the update in the policy's processes, with no
+            # round trip in between; not when a sleeping engine must wait for the update to end to wake up
+            early = self._start_sync() if self.cfg.cluster.backend == "ray" and not self._rollout_sleeps() else None
+            m.update(_mean_over_ranks(policy.collect(handle)))
+            m.update(self._finish_sync(early or self._start_sync()))
         dt = time.perf_counter() - t0
         m["time/update_s"] = dt
         m["throughput/update_tok_s"] = _total_tokens(batch) * self.cfg.train.epochs / max(dt, 1e-9)
@@ -334,15 +342,34 @@ class Session:
 
     def sync_weights(self) -> dict:
         """Push the policy's full weights to every rollout rank; bytes and seconds are metrics."""
+        return self._finish_sync(self._start_sync())
+
+    def _start_sync(self) -> tuple:
         t0 = time.perf_counter()
-        weights = self.groups["policy"].call("get_weights")[0]  # a collective when sharded: all ranks
-        if self.cfg.rollout.colocate:
-            self.groups["rollout"].call("wake_up")
-        res = self.groups["rollout"].call("set_weights", weights, self.step_count + 1)
+        policy, rollout = self.groups["policy"], self.groups["rollout"]
+        if self._rollout_sleeps():
+            rollout.call("wake_up")
+        # a collective when sharded: all ranks. Under Ray the rollout's call is queued on a reference to
+        # rank 0's result, so the bytes go policy -> rollout without a round trip through this process
+        pending = policy.submit_stored("get_weights", to=rollout)
+        return t0, pending, rollout.submit("set_weights", policy.stored(pending)[0], self.step_count + 1)
+
+    def _finish_sync(self, started: tuple) -> dict:
+        """Wait for the push; `sync/s` counts from its start, or from now if it was queued behind an update."""
+        t0, pending, push = started
+        t0 = max(t0, time.perf_counter() if self.cfg.cluster.backend == "ray" else t0)
+        self.groups["policy"].collect(pending)  # first: when the policy failed, its own error names it
+        res = self.groups["rollout"].collect(push)
         out = {"sync/s": time.perf_counter() - t0, "sync/bytes": sum(r["bytes"] for r in res)}
         for key in res[0].keys() - {"bytes"}:  # an engine's own timings (vLLM: write_s, reload_s), slowest rank
             out[f"sync/{key}"] = max(r[key] for r in res)
         return out
+
+    def _rollout_sleeps(self) -> bool:
+        """rollout.colocate on an accelerator: the engine sleeps between rollout and weight sync (on a CPU
+        there is nothing to hand over, and two calls a step saved)."""
+        return self.cfg.rollout.colocate and any(i.get("device", "cpu") != "cpu"
+                                                 for i in self.groups["rollout"].info.values())
 
     def restart(self, *roles: str) -> "Session":
         """Rebuild roles' workers (e.g. after a process died). Trainer roles come back from the latest
@@ -350,6 +377,8 @@ class Session:
         for role in roles:
             if role not in self._roles:
                 raise ValueError(f"unknown role '{role}'; this session has {list(self._roles)}")
+        # a role living in another's processes goes with them; hosts are rebuilt before their guests
+        roles = tuple(r for r in self._roles if r in roles or (host_role(self.cfg, r) or "") in roles)
         trainers = [r for r in roles if r in ("policy", "critic")]
         if trainers and not (self.run_dir / "checkpoints" / "latest").exists():
             raise checkpoint.CheckpointError(
@@ -360,7 +389,8 @@ class Session:
             cls, args = self._roles[role]
             if role == "reward":
                 args = (self._reward_fn, self.cfg.reward.timeout_s)
-            self.groups[role] = make_group(self.cfg, role, cls, *args, name=self.run_dir.name)
+            self.groups[role] = make_group(self.cfg, role, cls, *args, name=self.run_dir.name,
+                                           host=self.groups.get(host_role(self.cfg, role) or ""))
         if trainers:
             self._restore(self.run_dir)
         elif "rollout" in roles:
@@ -429,8 +459,9 @@ class Session:
         if on_failure not in ("raise", "restore"):
             raise ValueError(f"on_failure={on_failure!r}: use 'raise' or 'restore'")
         if async_rollout and self.cfg.rollout.colocate:
-            raise ValueError("async_rollout overlaps generation with the update, but rollout.colocate puts the "
-                             "rollout engine to sleep during updates: turn one of them off")
+            raise ValueError("async_rollout overlaps generation with the update, but rollout.colocate runs the "
+                             "rollout engine on the trainers' devices (under Ray, in the policy's processes), "
+                             "asleep during updates: turn one of them off")
         if background:
             from .runner import BackgroundRun
             return BackgroundRun.start(self, steps, async_rollout, on_failure)
@@ -514,9 +545,10 @@ class Session:
         rows = rows if rows is not None else self.test_data.rows
         params = self.cfg.rollout.model_copy(update={"temperature": 0.0, "n": 1})
         batch = self._encode(rows, 1, tag="eval")
-        batch.update(self.groups["rollout"].call_split("generate", batch, params))
+        batch.update(self.groups["rollout"].call_split("generate", batch.only("prompt_ids_BP", "prompt_mask_BP"), params))
         self._decode(batch)
-        batch.update(self.groups["reward"].call_split("score", batch))
+        fields = ("prompt", "response", *batch.info.get("row_fields", ()))
+        batch.update(self.groups["reward"].call_split("score", batch.only(*fields)))
         scores = batch["scores_B"]
         result = {"step": self.step_count, "eval/accuracy": (scores >= 1.0).float().mean().item(),
                   "eval/reward_mean": scores.mean().item(), "eval/n": len(rows)}

@@ -62,3 +62,12 @@ def test_yaml_round_trip_and_help(tmp_path):
         assert key in text
     assert "Dr. GRPO" in text  # field help carries the science
 
+
+
+def test_colocated_rollout_needs_one_engine_per_policy_rank():
+    with pytest.raises(ConfigError, match=r"rollout.colocate runs one rollout engine in each policy process: "
+                                          r"set cluster.rollout_ranks=2 \(= cluster.train_ranks\), not 1"):
+        Config.load(None, ["cluster.backend=ray", "rollout.colocate=true", "cluster.train_ranks=2"])
+    cfg = Config.load(None, ["cluster.backend=ray", "rollout.colocate=true", "cluster.train_ranks=2",
+                             "cluster.rollout_ranks=2"])
+    assert cfg.rollout.colocate

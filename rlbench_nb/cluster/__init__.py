@@ -20,15 +20,21 @@ if os.path.exists(os.path.expanduser("~/.ray/auth_token")) and "ray" not in sys.
 def world_size_for(cfg, role: str) -> int:
     if cfg.cluster.backend == "local":
         return 1
-    if role in TRAINER_ROLES:
+    if role in TRAINER_ROLES or host_role(cfg, role):
         return cfg.cluster.train_ranks
     return cfg.cluster.rollout_ranks if role == "rollout" else 1
 
 
-def make_group(cfg, role: str, worker_cls, *args, name: str = "run"):
-    """N ranks of `worker_cls(*args)`; under Ray the actors are named '<name>/<role>/<rank>'."""
+def make_group(cfg, role: str, worker_cls, *args, name: str = "run", host=None):
+    """N ranks of `worker_cls(*args)`; under Ray the actors are named '<name>/<role>/<rank>', or the
+    ranks live in `host`'s actors (another role's group)."""
     if cfg.cluster.backend == "ray":
         from .ray_backend import RayWorkerGroup, attach
         attach(cfg)
-        return RayWorkerGroup(cfg, role, worker_cls, world_size_for(cfg, role), *args, name=name)
+        return RayWorkerGroup(cfg, role, worker_cls, world_size_for(cfg, role), *args, name=name, host=host)
     return LocalWorkerGroup(role, worker_cls, *args)
+
+
+def host_role(cfg, role: str) -> str | None:
+    """The role whose processes `role` lives in: under Ray, a colocated rollout lives in the policy's."""
+    return "policy" if role == "rollout" and cfg.rollout.colocate and cfg.cluster.backend == "ray" else None

@@ -21,8 +21,9 @@ class CallRecord:
     role: str
     rank: int
     method: str
-    start: float
-    end: float
+    start: float     # controller clock: the call was made ...
+    end: float       # ... and its result was back
+    work_s: float    # seconds inside the worker's method; end - start - work_s is the dispatch overhead
 
 
 class LocalWorkerGroup:
@@ -43,7 +44,8 @@ class LocalWorkerGroup:
         except Exception as e:
             raise WorkerError.from_exception(self.role, rank, method, e) from e
         finally:
-            self.records.append(CallRecord(self.role, rank, method, start, time.perf_counter()))
+            end = time.perf_counter()
+            self.records.append(CallRecord(self.role, rank, method, start, end, end - start))
             del self.records[:-1000]  # bounded: the timeline shows recent steps only
             self.memory[rank] = memory_snapshot()  # like the Ray backend: every call reports memory
 
@@ -51,9 +53,21 @@ class LocalWorkerGroup:
         """Call `method` on every rank with the same arguments; a list of results by rank."""
         return [self._run(r, method, getattr(w, method), *args, **kwargs) for r, w in enumerate(self.workers)]
 
+    def submit(self, method: str, *args, **kwargs) -> list:
+        """In-process: runs now; `collect(handle)` returns the results."""
+        return self.call(method, *args, **kwargs)
+
     def call_each(self, method: str, per_rank_args: list[tuple]) -> list:
         """Rank r gets `per_rank_args[r]`."""
         return [self._run(r, method, getattr(w, method), *a) for r, (w, a) in enumerate(zip(self.workers, per_rank_args))]
+
+    def submit_stored(self, method: str, *args, to=None, **kwargs) -> list:
+        """In-process: runs now; `stored(handle)` are the results, `collect(handle)` too."""
+        return self.call(method, *args, **kwargs)
+
+    @staticmethod
+    def stored(handle: list) -> list:
+        return handle
 
     def call_rank0(self, method: str, *args, **kwargs) -> Any:
         return self._run(0, method, getattr(self.workers[0], method), *args, **kwargs)

@@ -17,6 +17,7 @@ from typing import Any
 from ..data.batch import Batch
 from .errors import OOM_KNOBS, WorkerDiedError, WorkerError, is_out_of_memory
 from .local import CallRecord
+from .transport import PackedTensors, SharedMemoryWriter, SharedTensors, pack
 
 
 class ClusterError(RuntimeError):
@@ -89,8 +90,13 @@ def shutdown_if_ours() -> None:
         _STARTED_BY_US = False
 
 
+class _Stashed:
+    """A result kept in the producing actor for a role hosted in the same process (`rollout.colocate`)."""
+
+
 class _WorkerActor:
-    """Hosts one rank of one role. Plain class; `ray.remote` is applied in RayWorkerGroup."""
+    """Hosts one rank of one role, and of any role colocated with it (`rollout.colocate`: the rollout
+    engine in the policy's processes). Plain class; `ray.remote` is applied in RayWorkerGroup."""
 
     def __init__(self, role: str, rank: int, world: int, seed: int, num_threads: int):
         import torch
@@ -102,7 +108,9 @@ class _WorkerActor:
         torch.manual_seed(seed + rank)
         import random
         random.seed(seed + rank)
-        self.worker = None
+        self.workers: dict[str, Any] = {}  # role -> worker object; the actor's own role first
+        self._shm: SharedMemoryWriter | None = None  # weights pushed to a consumer on this node
+        self._stash: Any = None  # weights handed to a colocated role without leaving the process
         self.meta: dict = {}  # what a controller attaching later needs to find (e.g. the run directory)
 
     def set_meta(self, meta: dict) -> None:
@@ -119,7 +127,8 @@ class _WorkerActor:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, master: tuple[str, int] | None, worker_cls, args, kwargs) -> int:
+    def setup(self, master: tuple[str, int] | None, worker_cls, args, kwargs, role: str | None = None) -> dict:
+        role = role or self.role
         if master and self.world > 1:
             import torch
             import torch.distributed as dist
@@ -128,31 +137,65 @@ class _WorkerActor:
             backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, rank=self.rank, world_size=self.world)
         try:
-            self.worker = worker_cls(*args, **kwargs)
+            self.workers[role] = worker_cls(*args, **kwargs)
         except Exception as e:
-            raise WorkerError.from_exception(self.role, self.rank, "__init__", e) from None
-        return self.info()
+            raise WorkerError.from_exception(role, self.rank, "__init__", e) from None
+        return self.info(role)
 
-    def close_worker(self) -> None:
-        if hasattr(self.worker, "close"):
-            self.worker.close()
+    def drop(self, role: str) -> None:
+        """Close and forget a hosted role's worker (its own restart, or the session's close)."""
+        worker = self.workers.pop(role, None)
+        if hasattr(worker, "close"):
+            worker.close()
 
-    def info(self) -> dict:
+    def info(self, role: str | None = None) -> dict:
         import ray
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(),
-                "device": str(getattr(self.worker, "device", "cpu"))}
+                "device": str(getattr(self.workers.get(role or self.role), "device", "cpu"))}
 
-    def call(self, method: str, *args, **kwargs):
+    def call(self, role: str, method: str, *args, **kwargs):
+        """(result, memory snapshot, seconds inside the method)."""
         from ..metrics.memory import memory_snapshot
+        args = tuple(self._arg(a) for a in args)
+        t0 = time.perf_counter()
         try:
-            result = getattr(self.worker, method)(*args, **kwargs)
+            result = getattr(self.workers[role], method)(*args, **kwargs)
         except Exception as e:
-            raise WorkerError.from_exception(self.role, self.rank, method, e) from None
-        return result, memory_snapshot()
+            raise WorkerError.from_exception(role, self.rank, method, e) from None
+        return result, memory_snapshot(), time.perf_counter() - t0
+
+    def _arg(self, a):
+        if isinstance(a, _Stashed):
+            a, self._stash = self._stash, None
+        return a.unpack() if isinstance(a, (PackedTensors, SharedTensors)) else a
+
+    def call_stored(self, role: str, method: str, *args, where: str = "store", **kwargs):
+        """`call`, as two returns: the result, which the controller passes on by reference (bytes go from
+        this process to the next one's, not through the controller), and the (None, memory, seconds)
+        status. A dict of tensors goes as one flat buffer (`transport`): `where` = "store" (Ray's object
+        store), "shm" (this node's shared memory) or "here" (kept for a role hosted in this process)."""
+        result, mem, work_s = self.call(role, method, *args, **kwargs)
+        if where == "here":
+            self._stash = result
+            return _Stashed(), (None, mem, work_s)
+        if isinstance(result, dict) and result and all(hasattr(v, "untyped_storage") for v in result.values()):
+            if where == "shm" and self._shm is None:
+                self._shm = SharedMemoryWriter(f"{role}{self.rank}")
+            result = pack(result, self._shm if where == "shm" else None)
+        return result, (None, mem, work_s)
+
+    def close_worker(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+        for role in list(self.workers)[::-1]:  # hosted roles first
+            self.drop(role)
 
 
 class RayWorkerGroup:
-    def __init__(self, cfg, role: str, worker_cls, world_size: int, *args, name: str = "run"):
+    def __init__(self, cfg, role: str, worker_cls, world_size: int, *args, name: str = "run",
+                 host: "RayWorkerGroup | None" = None):
+        """`host`: run this role's ranks inside that group's actors (same processes, rank by rank)
+        instead of actors of its own: `rollout.colocate`, the rollout engine next to the policy."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -162,6 +205,15 @@ class RayWorkerGroup:
         self.records: list[CallRecord] = []
         self.memory: dict[int, dict] = {}
         self.info: dict[int, dict] = {}  # rank -> pid, node, device
+        self.host = host
+        if host is not None:
+            if host.world_size != world_size:
+                raise ClusterError(f"role '{role}' ({world_size} ranks) cannot live in the '{host.role}' "
+                                   f"processes ({host.world_size} ranks): give both the same number of ranks")
+            self.actors, self.pg = host.actors, None
+            infos = self._get([a.setup.remote(None, worker_cls, args, {}, role) for a in self.actors], "__init__")
+            self.info = dict(enumerate(infos))
+            return
         bundle = {"CPU": c.cpus_per_worker}
         if c.gpus_per_worker:
             bundle["GPU"] = c.gpus_per_worker
@@ -188,22 +240,27 @@ class RayWorkerGroup:
         self.info = dict(enumerate(infos))
 
     @classmethod
-    def reattach(cls, cfg, role: str, world_size: int, name: str) -> "RayWorkerGroup":
-        """The group of live named actors '<name>/<role>/<rank>' (e.g. detached ones after a kernel restart)."""
+    def reattach(cls, cfg, role: str, world_size: int, name: str,
+                 host: "RayWorkerGroup | None" = None) -> "RayWorkerGroup":
+        """The group of live named actors '<name>/<role>/<rank>' (e.g. detached ones after a kernel restart),
+        or of the role living in `host`'s actors."""
         import ray
         self = cls.__new__(cls)
-        self.role, self.world_size, self.cfg = role, world_size, cfg
+        self.role, self.world_size, self.cfg, self.host = role, world_size, cfg, host
         self.timeout = cfg.cluster.call_timeout_s
         self.records, self.memory = [], {}
-        try:
-            self.actors = [ray.get_actor(f"{name}/{role}/{rank}", namespace=cfg.cluster.namespace)
-                           for rank in range(world_size)]
-            self.pg = ray.util.get_placement_group(f"{name}/{role}")
-        except ValueError:
-            raise ClusterError(f"no live actors named '{name}/{role}/*' in Ray namespace "
-                               f"'{cfg.cluster.namespace}': the run was closed, or its actors were not detached "
-                               "(cluster.detached: true)") from None
-        self.info = dict(enumerate(self._get([a.info.remote() for a in self.actors], "info")))
+        if host is not None:
+            self.actors, self.pg = host.actors, None
+        else:
+            try:
+                self.actors = [ray.get_actor(f"{name}/{role}/{rank}", namespace=cfg.cluster.namespace)
+                               for rank in range(world_size)]
+                self.pg = ray.util.get_placement_group(f"{name}/{role}")
+            except ValueError:
+                raise ClusterError(f"no live actors named '{name}/{role}/*' in Ray namespace "
+                                   f"'{cfg.cluster.namespace}': the run was closed, or its actors were not "
+                                   "detached (cluster.detached: true)") from None
+        self.info = dict(enumerate(self._get([a.info.remote(role) for a in self.actors], "info")))
         return self
 
     def set_meta(self, meta: dict) -> None:
@@ -252,7 +309,7 @@ class RayWorkerGroup:
         return self.collect(self._submit(method, per_rank_args, kwargs))
 
     def _submit(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> tuple:
-        refs = [a.call.remote(method, *args, **kwargs) for a, args in zip(self.actors, per_rank_args)]
+        refs = [a.call.remote(self.role, method, *args, **kwargs) for a, args in zip(self.actors, per_rank_args)]
         return method, refs, time.perf_counter()
 
     def submit_shards(self, method: str, batch: Batch, *args, **kwargs) -> tuple:
@@ -260,22 +317,46 @@ class RayWorkerGroup:
         return self._submit(method, [(p, *args) for p in batch.chunk(self.world_size)], kwargs)
 
     def collect(self, handle: tuple) -> list:
-        method, refs, start = handle
+        method, refs, start = handle[:3]
         out = self._get(refs, method)
         end = time.perf_counter()
-        for rank, (_, mem) in enumerate(out):
+        for rank, (_, mem, work_s) in enumerate(out):
             self.memory[rank] = mem
-            self.records.append(CallRecord(self.role, rank, method, start, end))
+            self.records.append(CallRecord(self.role, rank, method, start, end, work_s))
         del self.records[:-1000]
-        return [res for res, _ in out]
+        return [res for res, _, _ in out]
 
     # ---- dispatch (same surface as LocalWorkerGroup) ---------------------------------------------
     def call(self, method: str, *args, **kwargs) -> list:
         """The same arguments to every rank; each argument is stored once in the object store, not per rank."""
+        return self.collect(self.submit(method, *args, **kwargs))
+
+    def submit(self, method: str, *args, **kwargs) -> tuple:
+        """`call` without waiting: `collect(handle)` gives the results."""
         import ray
-        if self.world_size > 1:
-            args = tuple(ray.put(a) for a in args)  # top-level ObjectRef arguments are resolved by Ray
-        return self._calls(method, [args] * self.world_size, kwargs)
+        if self.world_size > 1:  # top-level ObjectRef arguments are resolved by Ray
+            args = tuple(a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args)
+        return self._submit(method, [args] * self.world_size, kwargs)
+
+    def submit_stored(self, method: str, *args, to: "RayWorkerGroup | None" = None, **kwargs) -> tuple:
+        """Start `method` on every rank, its results left in the object store; `stored(handle)` gives
+        references to pass to another role's call at once (Ray starts that call when the data is ready),
+        `collect(handle)` waits for the ranks' status. Weights go actor to actor, with no wait in between;
+        through /dev/shm when every rank of `to` is on this group's rank-0 node."""
+        nodes = {info.get("node") for info in (to.info.values() if to is not None else [])}
+        if to is not None and to.actors == self.actors and self.world_size == 1:
+            where = "here"  # the receiver lives in this process: hand the tensors over in memory
+        elif to is not None and nodes == {self.info.get(0, {}).get("node")}:
+            where = "shm"
+        else:
+            where = "store"
+        calls = [a.call_stored.options(num_returns=2).remote(self.role, method, *args, where=where, **kwargs)
+                 for a in self.actors]
+        return method, [status for _, status in calls], time.perf_counter(), [result for result, _ in calls]
+
+    @staticmethod
+    def stored(handle: tuple) -> list:
+        return handle[3]
 
     def call_each(self, method: str, per_rank_args: list[tuple]) -> list:
         """Rank r gets `per_rank_args[r]`."""
@@ -283,9 +364,9 @@ class RayWorkerGroup:
 
     def call_rank0(self, method: str, *args, **kwargs) -> Any:
         start = time.perf_counter()
-        res, mem = self._get([self.actors[0].call.remote(method, *args, **kwargs)], method)[0]
+        res, mem, work_s = self._get([self.actors[0].call.remote(self.role, method, *args, **kwargs)], method)[0]
         self.memory[0] = mem
-        self.records.append(CallRecord(self.role, 0, method, start, time.perf_counter()))
+        self.records.append(CallRecord(self.role, 0, method, start, time.perf_counter(), work_s))
         return res
 
     def call_shards(self, method: str, batch: Batch, *args, **kwargs) -> list:
@@ -312,6 +393,13 @@ class RayWorkerGroup:
 
     def close(self) -> None:
         import ray
+        if self.host is not None:  # the processes are the host's: only this role's workers go
+            try:
+                ray.wait([a.drop.remote(self.role) for a in self.actors], num_returns=len(self.actors), timeout=10)
+            except Exception:
+                pass
+            self.actors = []
+            return
         try:  # engines with processes of their own (vLLM) stop them before their actor goes
             ray.wait([a.close_worker.remote() for a in self.actors], num_returns=len(self.actors), timeout=10)
         except Exception:

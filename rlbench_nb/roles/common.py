@@ -19,6 +19,12 @@ def load_causal_lm(path: str, dtype: str, device: torch.device):
     return model.to(device)
 
 
+def make_adamw(params, lr: float, betas, weight_decay: float, sharded: bool) -> torch.optim.AdamW:
+    """AdamW; the fused kernel (one pass over all tensors, the same math) for plain tensors, as TRL and HF
+    Trainer use by default. FSDP2's DTensor shards keep torch's default implementation."""
+    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=None if sharded else True)
+
+
 def read_safetensors(path, device) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     return load_file(str(path), device=str(device))

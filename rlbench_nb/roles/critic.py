@@ -13,7 +13,7 @@ from ..data.batch import Batch
 from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
 from ..checkpoint import load_tensors
-from .common import DTYPES, full_sequences, pick_device, read_safetensors, response_hidden_slice
+from .common import DTYPES, full_sequences, make_adamw, pick_device, read_safetensors, response_hidden_slice
 
 
 class ValueModel(nn.Module):
@@ -45,8 +45,7 @@ class CriticWorker:
         self.sharded = dist_util.shard(self.model, self.device, compute_dtype=compute)
         self.autocast = compute != torch.float32 and not self.sharded
         t = cfg.train
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.critic_lr, betas=t.betas,
-                                           weight_decay=t.weight_decay)
+        self.optimizer = make_adamw(self.model.parameters(), t.critic_lr, t.betas, t.weight_decay, self.sharded)
 
     def _values(self, batch: Batch) -> torch.Tensor:
         ids, mask, pos = (x.to(self.device) for x in full_sequences(batch))

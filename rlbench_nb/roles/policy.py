@@ -15,8 +15,7 @@ from ..config import Config
 from ..data.batch import Batch
 from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
-from .common import (DTYPES, full_sequences, load_causal_lm, pick_device, read_safetensors, response_hidden_slice,
-                     rng_state, set_rng_state)
+from .common import DTYPES, load_causal_lm, make_adamw, pick_device, read_safetensors, rng_state, set_rng_state
 from ..checkpoint import load_tensors
 from .scorer import TokenScorer
 
@@ -41,13 +40,17 @@ class ReferenceWorker:
         self.sharded = dist_util.shard(self.scorer, self.device,
                                        compute_dtype=compute if self.trains else None)
         self.scorer.autocast = self.trains and compute != torch.float32 and not self.sharded
+        # shared prompt prefixes go through a KV cache: not under FSDP2 (one forward per step per unit is
+        # what it is built around) nor activation checkpointing (HF turns the cache off there)
+        self.scorer.share_prefix = (cfg.train.share_prompt_prefix and not self.sharded
+                                    and not (self.trains and cfg.train.activation_checkpointing))
         self.model.requires_grad_(self.trains)
         self.model.train(self.trains)
 
     def _forward(self, batch: Batch, with_entropy: bool = False):
-        ids, mask, pos = (t.to(self.device) for t in full_sequences(batch))
-        return self.scorer(ids, mask, pos, batch["response_ids_BR"].to(self.device),
-                           response_hidden_slice(batch).start, with_entropy)
+        d = self.device
+        return self.scorer(batch["prompt_ids_BP"].to(d), batch["prompt_mask_BP"].to(d),
+                           batch["response_ids_BR"].to(d), batch["response_mask_BR"].to(d), with_entropy)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, key: str = "ref_logprobs_BR") -> Batch:
@@ -74,8 +77,7 @@ class PolicyWorker(ReferenceWorker):
     def __init__(self, cfg: Config, model_dir: str):
         super().__init__(cfg, model_dir)
         t = cfg.train
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas,
-                                           weight_decay=t.weight_decay)
+        self.optimizer = make_adamw(self.model.parameters(), t.lr, t.betas, t.weight_decay, self.sharded)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, key: str = "old_logprobs_BR") -> Batch:

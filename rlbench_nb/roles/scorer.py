@@ -1,7 +1,7 @@
 """The module the policy and reference workers run: a causal LM plus the chunked log-prob/entropy head.
 
     scorer = TokenScorer(lm, chunk_mb=256, temperature=1.0, compute_dtype=torch.bfloat16, autocast=True)
-    lp_BR, ent_BR = scorer(ids, mask, pos, response_ids_BR, start=P - 1)
+    lp_BR, ent_BR = scorer(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR)
 
 It is the root FSDP2 unit (decoder layers are units of their own), so the embedding, final norm and
 LM head are gathered inside its forward and the head weight can be used directly by the chunked op:
@@ -26,7 +26,7 @@ def _has_custom_logits(config) -> bool:
 
 class TokenScorer(nn.Module):
     def __init__(self, lm: nn.Module, chunk_mb: float, temperature: float, compute_dtype: torch.dtype,
-                 autocast: bool):
+                 autocast: bool, share_prefix: bool = False):
         super().__init__()
         self.lm = lm
         vocab = lm.get_output_embeddings().weight.shape[0]
@@ -34,22 +34,57 @@ class TokenScorer(nn.Module):
         self.temperature = temperature if temperature > 0 else 1.0  # score the distribution the rollout sampled from
         self.compute_dtype = compute_dtype
         self.autocast = autocast  # mixed precision without FSDP2: fp32 weights, matmuls in compute_dtype
+        self.share_prefix = share_prefix
 
-    def forward(self, input_ids, attention_mask, position_ids, response_ids_BR, start: int,
-                with_entropy: bool = True):
-        """Log-probs [B, R] of `response_ids_BR` predicted from positions start..start+R-1, and the entropy
-        there ([B, R], or None)."""
+    def forward(self, prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR, with_entropy: bool = True):
+        """Log-probs [B, R] of the response tokens after their (left-padded) prompts, and the entropy of
+        the distribution at each of those positions ([B, R], or None)."""
         B, R = response_ids_BR.shape
-        with torch.autocast(input_ids.device.type, dtype=self.compute_dtype, enabled=self.autocast):
+        with torch.autocast(prompt_ids_BP.device.type, dtype=self.compute_dtype, enabled=self.autocast):
             if self.chunk_size == 0:
-                logits = self.lm(input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids).logits[:, start:start + R].float() / self.temperature
+                ids, mask, pos = _full_sequences(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR)
+                start = prompt_ids_BP.shape[1] - 1
+                logits = self.lm(input_ids=ids, attention_mask=mask,
+                                 position_ids=pos).logits[:, start:start + R].float() / self.temperature
                 lp = token_logprobs(logits, response_ids_BR)
                 return lp, (entropy_from_logits(logits) if with_entropy else None)
-            hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                           position_ids=position_ids).last_hidden_state
-        h = hidden[:, start:start + R].reshape(B * R, -1).to(self.compute_dtype)
+            hidden_BRH = self._response_hidden(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR)
+        h = hidden_BRH.reshape(B * R, -1).to(self.compute_dtype)
         lp, ent = token_logprobs_entropy(h, self.lm.get_output_embeddings().weight, response_ids_BR.reshape(-1),
                                          self.temperature, self.chunk_size)
         # fresh tensors, not views: FSDP2 hooks the root's outputs for backward, and a view could lose that
         return lp.view(B, R).clone(), (ent.view(B, R).clone() if with_entropy else None)
+
+    def _response_hidden(self, prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR):
+        """Last hidden states at the positions that predict each response token: [B, R, H].
+
+        With `share_prefix`, each distinct prompt runs through the decoder once and its KV cache is repeated
+        for its samples (GRPO's n responses per prompt); only the responses run per sample. Same numbers
+        as the whole sequences (tested), and the gradient reaches the prompt's computation through the
+        cache. Without it (or when no prompt repeats), whole sequences run as one batch."""
+        from transformers import DynamicCache
+        dec, P, R = self.lm.get_decoder(), prompt_ids_BP.shape[1], response_ids_BR.shape[1]
+        distinct, copy_of = torch.unique(torch.cat([prompt_ids_BP, prompt_mask_BP], dim=1), dim=0,
+                                         return_inverse=True)
+        if not self.share_prefix or len(distinct) == len(prompt_ids_BP):
+            ids, mask, pos = _full_sequences(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR)
+            return dec(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state[:, P - 1:P - 1 + R]
+        ids, mask = distinct[:, :P], distinct[:, P:]
+        cache = DynamicCache(config=self.lm.config)
+        last_prompt_BH = dec(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                             past_key_values=cache, use_cache=True).last_hidden_state[:, -1][copy_of]
+        if R == 1:
+            return last_prompt_BH[:, None]
+        cache.batch_select_indices(copy_of)
+        # response tokens 0..R-2 predict tokens 1..R-1; positions continue after each prompt's real tokens
+        pos = prompt_mask_BP.sum(-1, keepdim=True) + torch.arange(R - 1, device=prompt_ids_BP.device)
+        resp = dec(input_ids=response_ids_BR[:, :-1], attention_mask=torch.cat([prompt_mask_BP, response_mask_BR[:, :-1]], 1),
+                   position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state
+        return torch.cat([last_prompt_BH[:, None], resp], dim=1)
+
+
+def _full_sequences(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR):
+    """Left-padded prompt + right-padded response -> (input_ids, attention_mask, position_ids), each [B, P+R]."""
+    ids = torch.cat([prompt_ids_BP, response_ids_BR], dim=1)
+    mask = torch.cat([prompt_mask_BP, response_mask_BR], dim=1)
+    return ids, mask, (mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -32,7 +32,8 @@ def test_two_fsdp_ranks_match_one_rank(ray_cluster, small_cfg):
     """Same global batch: 2 FSDP2 ranks and 1 rank give the same losses and the same updated weights."""
     results = {}
     for ranks in (1, 2):
-        sess = rl.Session(small_cfg(*RAY, f"cluster.train_ranks={ranks}", "algo.kl_coef=0.05",
+        # whole sequences on both sides: the shared-prompt-prefix forward (one rank only) rounds differently
+        sess = rl.Session(small_cfg(*RAY, f"cluster.train_ranks={ranks}", "algo.kl_coef=0.05", "train.share_prompt_prefix=false",
                                     "train.mini_batches=2", "train.micro_batch_size=4"))
         assert sess.groups["policy"].world_size == ranks
         rows = [sess.step() for _ in range(2)]
@@ -94,7 +95,7 @@ def test_remote_error_names_role_rank_method_and_line(ray_cluster, small_cfg):
     err = e.value
     assert err.role == "policy" and err.method == "compute_logprobs" and err.rank in (0, 1)
     assert "KeyError" in str(err) and "batch has no field 'prompt_ids_BP'" in str(err)
-    assert "rlbench_nb/roles/common.py" in err.frame and 'batch["prompt_ids_BP"]' in err.frame
+    assert "rlbench_nb/roles/policy.py" in err.frame and 'batch["prompt_ids_BP"]' in err.frame
     assert "Traceback (most recent call last)" in err.remote_traceback
     assert "RayTaskError" not in str(err)
     sess.close()
@@ -116,6 +117,35 @@ def test_dead_worker_is_named_and_the_role_restarts(ray_cluster, small_cfg):
         sess.step()
     sess.restart("policy")  # from the latest checkpoint: the whole session goes back to step 1
     assert sess.step_count == 1
+    assert sess.step()["reward/mean"] >= 0 and sess.step_count == 2
+    sess.close()
+
+
+def test_colocated_rollout_lives_in_the_policy_process(ray_cluster, small_cfg):
+    """rollout.colocate: the engine is a second worker in the policy's actor; weights are handed over in
+    memory; restarting the policy takes its guest along."""
+    sess = rl.Session(small_cfg(*RAY, "rollout.colocate=true", "train.lr=1e-2", "cluster.call_timeout_s=60"))
+    policy, rollout = sess.groups["policy"], sess.groups["rollout"]
+    assert rollout.actors == policy.actors and rollout.info[0]["pid"] == policy.info[0]["pid"]
+    probe = sess._encode(sess.test_data.rows[:16], 1, "probe")
+    greedy = sess.cfg.rollout.model_copy(update={"temperature": 0.0})
+    generate = lambda: sess.groups["rollout"].call_split("generate", probe, greedy)["rollout_logprobs_BR"]
+    before = generate()
+    row = sess.step()
+    assert row["sync/bytes"] > 2_000_000 and row["update/skipped"] == 0
+    after = generate()
+    assert after.shape != before.shape or not torch.allclose(after, before)
+    sess.save("one")
+    sess.restart("rollout")  # a new engine in the same process, with the current weights
+    assert sess.groups["rollout"].info[0]["pid"] == policy.info[0]["pid"]
+    torch.testing.assert_close(generate(), after)
+    os.kill(policy.info[0]["pid"], signal.SIGKILL)
+    with pytest.raises(WorkerDiedError):
+        sess.step()
+    sess.restart("policy")  # both roles come back in one new process, from the checkpoint
+    pid = sess.groups["policy"].info[0]["pid"]
+    assert pid != policy.info[0]["pid"] and sess.groups["rollout"].info[0]["pid"] == pid
+    torch.testing.assert_close(generate(), after)
     assert sess.step()["reward/mean"] >= 0 and sess.step_count == 2
     sess.close()
 

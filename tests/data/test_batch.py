@@ -39,3 +39,31 @@ def test_setitem_moves_between_tensor_and_meta():
     b["x_B"] = ["a", "b"]
     assert "x_B" in b.meta and "x_B" not in b.tensors
     assert "Batch(2 rows" in repr(b) and "<table" in b._repr_html_()
+
+
+def test_pickled_batches_carry_their_own_bytes_and_come_back_writable():
+    import copy
+    import pickle
+    b = Batch({"f_BT": torch.randn(6, 3), "h_B": torch.arange(6).to(torch.bfloat16),
+               "m_B": torch.ones(6, dtype=torch.bool), "t_BT": torch.randn(3, 6).t(), "e_B0": torch.zeros(6, 0)},
+              {"prompt": list("abcdef")}, {"step": 1})
+    for back in (pickle.loads(pickle.dumps(b)), copy.deepcopy(b)):
+        assert back.info == {"step": 1} and back["prompt"] == list("abcdef")
+        for k, v in b.tensors.items():
+            assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    # a slice travels with its rows only, not the whole storage it views
+    big = Batch({"x_BT": torch.zeros(1000, 100)})
+    assert len(pickle.dumps(big.slice(0, 10))) < len(pickle.dumps(big)) / 50
+    # bytes mapped read-only (Ray's object store) are copied: a batch is written to later
+    state = b.__getstate__()
+    dtype, shape, data = state["tensors"]["f_BT"]
+    data.flags.writeable = False
+    back = Batch.__new__(Batch)
+    back.__setstate__(state)
+    back["f_BT"][0, 0] = 7.0
+    assert back["f_BT"][0, 0] == 7.0 and b["f_BT"][0, 0] != 7.0
+
+
+def test_only_keeps_the_named_fields_and_the_info():
+    b = make(3).only("x_B", "prompt")
+    assert b.keys() == ["x_B", "prompt"] and b.info == {"step": 3} and len(b) == 3

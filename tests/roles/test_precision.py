@@ -70,3 +70,39 @@ def test_bfloat16_keeps_fp32_masters_and_syncs_a_bf16_rollout_copy(small_cfg):
     diff = (batch["rollout_logprobs_BR"][m] - batch["old_logprobs_BR"][m]).abs().max()
     assert 0 < diff < 0.5
     sess.close()
+
+
+def test_shared_prompt_prefix_gives_the_same_logprobs_gradients_and_update(small_cfg):
+    """Each distinct prompt runs once and its KV cache serves its rollout.n responses: the same numbers as
+    whole sequences, with the gradient reaching the prompt positions through the cache."""
+    base = ["run.tensorboard=false", "algo.kl_coef=0.05", "algo.entropy_coef=0.01", "train.lr=1e-2"]
+    ref_row, ref_w = _step(small_cfg(*base, "train.share_prompt_prefix=false"))
+    row, w = _step(small_cfg(*base))
+    assert row == pytest.approx(ref_row, rel=1e-4, abs=1e-6)
+    for k in ref_w:
+        assert (w[k] - ref_w[k]).norm() <= 1e-3 * ref_w[k].norm() + 1e-7, k
+
+    sess = rl.Session(small_cfg("run.tensorboard=false"))
+    policy = sess.groups["policy"].workers[0]
+    batch = sess.score(sess.rollout())
+    mask = batch["response_mask_BR"].bool()
+    rows_seen = []
+    hook = policy.model.get_input_embeddings().register_forward_hook(lambda m, i, o: rows_seen.append(tuple(i[0].shape)))
+    out = {}
+    for share in (False, True):
+        policy.scorer.share_prefix = share
+        policy.model.zero_grad()
+        rows_seen.clear()
+        lp, ent = policy._forward(batch, with_entropy=True)
+        ((lp * mask).sum() + 0.3 * (ent * mask).sum()).backward()
+        out[share] = lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in policy.model.named_parameters()}
+        shapes = list(rows_seen)
+    hook.remove()
+    P, R = batch["prompt_ids_BP"].shape[1], batch["response_ids_BR"].shape[1]
+    assert shapes == [(8, P), (32, R - 1)]  # 8 distinct prompts once, then only the 8 x 4 responses
+    torch.testing.assert_close(out[True][0][mask], out[False][0][mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out[True][1][mask], out[False][1][mask], rtol=0, atol=1e-5)
+    for name, g in out[False][2].items():
+        assert (out[True][2][name] - g).norm() <= 1e-4 * g.norm() + 1e-8, name
+    assert out[False][2]["model.embed_tokens.weight"].norm() > 0  # the prompt's embeddings got gradient
+    sess.close()

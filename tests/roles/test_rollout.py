@@ -31,3 +31,35 @@ def test_truncated_sampling_records_the_truncated_distribution(small_cfg):
     assert torch.all(k2["rollout_logprobs_BR"][m] >= full[m] - 1e-5)
     assert torch.any(k2["rollout_logprobs_BR"][m] > full[m] + 1e-3)  # renormalised over 2 tokens
     sess.close()
+
+
+def test_engine_matches_hf_generate_and_drops_finished_rows(small_cfg):
+    """Greedy tokens, EOS handling and padding agree with transformers' own `generate`; the prefill runs
+    once per distinct prompt and a row stops being computed once it has sampled EOS."""
+    sess = rl.Session(small_cfg("run.tensorboard=false", "rollout.max_new_tokens=6"))
+    worker = sess.groups["rollout"].workers[0]
+    probe = sess._encode(sess.test_data.rows[:10], 3, "probe")  # 10 prompts x 3 copies
+    greedy = sess.cfg.rollout.model_copy(update={"temperature": 0.0})
+    rows_seen = []
+    hook = worker.model.get_input_embeddings().register_forward_hook(lambda m, i, o: rows_seen.append(i[0].shape[0]))
+    out = worker.generate(probe, greedy)
+    hook.remove()
+    ref = worker.model.generate(input_ids=probe["prompt_ids_BP"], attention_mask=probe["prompt_mask_BP"],
+                                do_sample=False, max_new_tokens=6, eos_token_id=worker.eos, pad_token_id=worker.pad)
+    ref = ref[:, probe["prompt_ids_BP"].shape[1]:]
+    is_eos = ref == worker.eos
+    ref_mask = ((is_eos.long().cumsum(-1) - is_eos.long()) == 0).long()
+    assert torch.equal(out["response_mask_BR"], ref_mask)
+    assert torch.equal(out["response_ids_BR"], ref.masked_fill(ref_mask == 0, worker.pad))
+    assert rows_seen[0] == 10  # prefill: distinct prompts only
+    # sampled at a high temperature, rows stop at different steps: each decode step runs exactly the rows
+    # that have not sampled EOS yet
+    torch.manual_seed(0)
+    rows_seen.clear()
+    hook = worker.model.get_input_embeddings().register_forward_hook(lambda m, i, o: rows_seen.append(i[0].shape[0]))
+    lengths = worker.generate(probe, sess.cfg.rollout.model_copy(update={"temperature": 3.0}))["response_mask_BR"].sum(-1)
+    hook.remove()
+    assert len(set(lengths.tolist())) > 1
+    assert rows_seen == [10] + [int((lengths > t).sum()) for t in range(1, len(rows_seen))]
+    assert min(rows_seen[1:]) < 30
+    sess.close()
