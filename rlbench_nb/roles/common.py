@@ -42,10 +42,15 @@ def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None
 
 def full_sequences(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Left-padded prompt + right-padded response -> (input_ids, attention_mask, position_ids), each [B, P+R]."""
-    ids = torch.cat([batch["prompt_ids_BP"], batch["response_ids_BR"]], dim=1)
-    mask = torch.cat([batch["prompt_mask_BP"], batch["response_mask_BR"]], dim=1)
-    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    return ids, mask, position_ids
+    return join_sequences(batch["prompt_ids_BP"], batch["prompt_mask_BP"], batch["response_ids_BR"],
+                          batch["response_mask_BR"])
+
+
+def join_sequences(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR):
+    """`full_sequences` on the tensors themselves."""
+    ids = torch.cat([prompt_ids_BP, response_ids_BR], dim=1)
+    mask = torch.cat([prompt_mask_BP, response_mask_BR], dim=1)
+    return ids, mask, (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def response_hidden_slice(batch) -> slice:

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..algos import entropy_from_logits
 from ..ops import chunk_tokens, token_logprobs_entropy
-from .common import token_logprobs
+from .common import join_sequences, token_logprobs
 
 
 def _has_custom_logits(config) -> bool:
@@ -42,7 +42,7 @@ class TokenScorer(nn.Module):
         B, R = response_ids_BR.shape
         with torch.autocast(prompt_ids_BP.device.type, dtype=self.compute_dtype, enabled=self.autocast):
             if self.chunk_size == 0:
-                ids, mask, pos = _full_sequences(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR)
+                ids, mask, pos = join_sequences(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR)
                 start = prompt_ids_BP.shape[1] - 1
                 logits = self.lm(input_ids=ids, attention_mask=mask,
                                  position_ids=pos).logits[:, start:start + R].float() / self.temperature
@@ -65,9 +65,9 @@ class TokenScorer(nn.Module):
         from transformers import DynamicCache
         dec, P, R = self.lm.get_decoder(), prompt_ids_BP.shape[1], response_ids_BR.shape[1]
         distinct, copy_of = torch.unique(torch.cat([prompt_ids_BP, prompt_mask_BP], dim=1), dim=0,
-                                         return_inverse=True)
-        if not self.share_prefix or len(distinct) == len(prompt_ids_BP):
-            ids, mask, pos = _full_sequences(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR)
+                                         return_inverse=True) if self.share_prefix else (prompt_ids_BP, None)
+        if len(distinct) == len(prompt_ids_BP):
+            ids, mask, pos = join_sequences(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR)
             return dec(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state[:, P - 1:P - 1 + R]
         ids, mask = distinct[:, :P], distinct[:, P:]
         cache = DynamicCache(config=self.lm.config)
@@ -82,9 +82,3 @@ class TokenScorer(nn.Module):
                    position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state
         return torch.cat([last_prompt_BH[:, None], resp], dim=1)
 
-
-def _full_sequences(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR):
-    """Left-padded prompt + right-padded response -> (input_ids, attention_mask, position_ids), each [B, P+R]."""
-    ids = torch.cat([prompt_ids_BP, response_ids_BR], dim=1)
-    mask = torch.cat([prompt_mask_BP, response_mask_BR], dim=1)
-    return ids, mask, (mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -39,10 +39,11 @@ class HFRolloutWorker(RolloutWorker):
         return Batch.cat(parts)
 
     def _generate(self, batch: Batch, p: RolloutConfig) -> Batch:
-        """Prefill (once per distinct prompt), then one token per step with the KV cache. A row leaves the batch (and its cache rows go)
-        as soon as it samples EOS, so the step cost follows the rows still generating: HF `generate` keeps
-        decoding finished rows until the longest one stops (72% of slots at 64 tokens in
-        benchmarks/rollout_throughput.py) and pays a fixed set-up cost per call that dominates small models."""
+        """Prefill (once per distinct prompt), then one token per step with the KV cache. A row leaves the
+        batch (and its cache rows go) as soon as it samples EOS, so a step costs what the rows still
+        generating cost: HF `generate` keeps decoding finished rows until the longest one stops (68% of its
+        decode slots at 64 tokens in benchmarks/rollout_throughput.py) and pays a set-up cost per call that
+        dominates small models."""
         from transformers import DynamicCache
         ids = batch["prompt_ids_BP"].to(self.device)
         attn = batch["prompt_mask_BP"].to(self.device)
