@@ -93,13 +93,12 @@ class Session:
             from .cluster import world_size_for
             from .cluster.ray_backend import RayWorkerGroup
             for role in self._roles:  # hosts come first in _roles
-                host = self.groups.get(host_role(cfg, role) or "")
-                self.groups[role] = RayWorkerGroup.reattach(cfg, role, world_size_for(cfg, role), self.name, host)
+                self.groups[role] = RayWorkerGroup.reattach(cfg, role, world_size_for(cfg, role), self.name,
+                                                            self._host_of(role))
         else:
             try:
                 for role, (cls, args) in self._roles.items():
-                    self.groups[role] = make_group(cfg, role, cls, *args, name=self.name,
-                                                   host=self.groups.get(host_role(cfg, role) or ""))
+                    self.groups[role] = make_group(cfg, role, cls, *args, name=self.name, host=self._host_of(role))
             except BaseException:
                 self.close()  # no half-built session keeps actors alive
                 raise
@@ -121,6 +120,11 @@ class Session:
         self.state = "ready"
         from .ipython import register
         register(self)
+
+    def _host_of(self, role: str):
+        """The group whose processes `role` lives in (rollout.colocate under Ray), or None."""
+        host = host_role(self.cfg, role)
+        return self.groups[host] if host else None
 
     @property
     def name(self) -> str:
@@ -196,7 +200,7 @@ class Session:
             rows = [self.train_data.rows[i] for i in self.sampler.next_indices()]
         batch = self._encode(rows, self.cfg.rollout.n, tag=f"s{self.step_count}")
         t0 = time.perf_counter()  # before submitting: the local backend does the work inside submit_shards
-        return batch, self.groups["rollout"].submit_shards("generate", batch.only("prompt_ids_BP", "prompt_mask_BP")), t0
+        return batch, self.groups["rollout"].submit_shards("generate", _generate_inputs(batch)), t0
 
     def _finish_rollout(self, started: tuple) -> Batch:
         batch, handle, t0 = started
@@ -223,8 +227,7 @@ class Session:
     def score(self, batch: Batch) -> Batch:
         """Rewards: `scores_B`, per-sample `reward_error`, and `token_rewards_BR` (score on the last token)."""
         t0 = time.perf_counter()
-        fields = ("prompt", "response", *batch.info.get("row_fields", ()))  # what a reward function is given
-        batch.update(self.groups["reward"].call_split("score", batch.only(*fields)))
+        batch.update(self.groups["reward"].call_split("score", _reward_inputs(batch)))
         scores, mask = batch["scores_B"], batch["response_mask_BR"]
         last = (mask.sum(-1) - 1).clamp(min=0)
         token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
@@ -300,7 +303,8 @@ class Session:
             # round trip in between; not when a sleeping engine must wait for the update to end to wake up
             early = self._start_sync() if self.cfg.cluster.backend == "ray" and not self._rollout_sleeps() else None
             m.update(_mean_over_ranks(policy.collect(handle)))
-            m.update(self._finish_sync(early or self._start_sync()))
+            # sync/s of a push queued behind the update: what it added after the update
+            m.update(self._finish_sync(early, since=time.perf_counter()) if early else self.sync_weights())
         dt = time.perf_counter() - t0
         m["time/update_s"] = dt
         m["throughput/update_tok_s"] = _total_tokens(batch) * self.cfg.train.epochs / max(dt, 1e-9)
@@ -354,10 +358,10 @@ class Session:
         pending = policy.submit_stored("get_weights", to=rollout)
         return t0, pending, rollout.submit("set_weights", policy.stored(pending)[0], self.step_count + 1)
 
-    def _finish_sync(self, started: tuple) -> dict:
-        """Wait for the push; `sync/s` counts from its start, or from now if it was queued behind an update."""
+    def _finish_sync(self, started: tuple, since: float | None = None) -> dict:
+        """Wait for the push; `sync/s` counts from its start, or from `since`."""
         t0, pending, push = started
-        t0 = max(t0, time.perf_counter() if self.cfg.cluster.backend == "ray" else t0)
+        t0 = since or t0
         self.groups["policy"].collect(pending)  # first: when the policy failed, its own error names it
         res = self.groups["rollout"].collect(push)
         out = {"sync/s": time.perf_counter() - t0, "sync/bytes": sum(r["bytes"] for r in res)}
@@ -389,8 +393,7 @@ class Session:
             cls, args = self._roles[role]
             if role == "reward":
                 args = (self._reward_fn, self.cfg.reward.timeout_s)
-            self.groups[role] = make_group(self.cfg, role, cls, *args, name=self.run_dir.name,
-                                           host=self.groups.get(host_role(self.cfg, role) or ""))
+            self.groups[role] = make_group(self.cfg, role, cls, *args, name=self.run_dir.name, host=self._host_of(role))
         if trainers:
             self._restore(self.run_dir)
         elif "rollout" in roles:
@@ -545,10 +548,9 @@ class Session:
         rows = rows if rows is not None else self.test_data.rows
         params = self.cfg.rollout.model_copy(update={"temperature": 0.0, "n": 1})
         batch = self._encode(rows, 1, tag="eval")
-        batch.update(self.groups["rollout"].call_split("generate", batch.only("prompt_ids_BP", "prompt_mask_BP"), params))
+        batch.update(self.groups["rollout"].call_split("generate", _generate_inputs(batch), params))
         self._decode(batch)
-        fields = ("prompt", "response", *batch.info.get("row_fields", ()))
-        batch.update(self.groups["reward"].call_split("score", batch.only(*fields)))
+        batch.update(self.groups["reward"].call_split("score", _reward_inputs(batch)))
         scores = batch["scores_B"]
         result = {"step": self.step_count, "eval/accuracy": (scores >= 1.0).float().mean().item(),
                   "eval/reward_mean": scores.mean().item(), "eval/n": len(rows)}
@@ -693,6 +695,16 @@ class Session:
                 f"algo {self.cfg.algo.advantage}, backend {self.cfg.cluster.backend}<br>"
                 f"<code>{escape(str(self.run_dir))}</code><table style='font-size:12px'><tr><th>role</th>"
                 f"<th>rank</th><th>node</th><th>pid</th><th>device</th><th>RSS GB</th></tr>{rows}</table></div>")
+
+
+def _generate_inputs(batch: Batch) -> Batch:
+    """What a rollout engine reads: the prompt tokens."""
+    return batch.only("prompt_ids_BP", "prompt_mask_BP")
+
+
+def _reward_inputs(batch: Batch) -> Batch:
+    """What a reward function is given: prompt, response and the dataset row's fields."""
+    return batch.only("prompt", "response", *batch.info.get("row_fields", ()))
 
 
 def _total_tokens(batch: Batch) -> float:

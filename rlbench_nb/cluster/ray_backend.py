@@ -17,7 +17,8 @@ from typing import Any
 from ..data.batch import Batch
 from .errors import OOM_KNOBS, WorkerDiedError, WorkerError, is_out_of_memory
 from .local import CallRecord
-from .transport import PackedTensors, SharedMemoryWriter, SharedTensors, pack
+from ..data.packed import PackedTensors
+from .transport import SharedMemoryWriter, SharedTensors, pack
 
 
 class ClusterError(RuntimeError):

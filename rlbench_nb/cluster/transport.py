@@ -16,54 +16,14 @@ from __future__ import annotations
 
 import glob
 import os
-import warnings
 
 import numpy as np
 import torch
 
+from ..data.packed import PackedTensors, layout, views, write_into
+
 _SHM_DIR = "/dev/shm"
 _PREFIX = "rlbench_nb-weights"
-
-
-def _layout(tensors: dict[str, torch.Tensor]) -> tuple[list[tuple[str, str, tuple, int, int]], int]:
-    index, offset = [], 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        offset = -(-offset // 64) * 64  # aligned: a byte view can be viewed as any dtype
-        index.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, n))
-        offset += n
-    return index, offset
-
-
-def _write(tensors: dict[str, torch.Tensor], index: list, buffer: np.ndarray) -> None:
-    flat = torch.from_numpy(buffer)
-    for (_, _, _, start, n), t in zip(index, tensors.values()):
-        flat[start:start + n].copy_(t.detach().reshape(-1).view(torch.uint8))
-
-
-def _views(buffer: np.ndarray, index: list) -> dict[str, torch.Tensor]:
-    with warnings.catch_warnings():  # read-only buffers (object store, read-only map): torch warns
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.from_numpy(buffer)
-    return {name: flat[start:start + n].view(getattr(torch, dtype)).view(shape)
-            for name, dtype, shape, start, n in index}
-
-
-class PackedTensors:
-    """The bytes themselves, as one numpy buffer (for the object store, or any node)."""
-
-    def __init__(self, buffer: np.ndarray, index: list):
-        self.buffer, self.index = buffer, index
-
-    @classmethod
-    def pack(cls, tensors: dict[str, torch.Tensor]) -> "PackedTensors":
-        index, size = _layout(tensors)
-        buffer = np.empty(size, dtype=np.uint8)
-        _write(tensors, index, buffer)
-        return cls(buffer, index)
-
-    def unpack(self) -> dict[str, torch.Tensor]:
-        return _views(self.buffer, self.index)
 
 
 class SharedTensors:
@@ -80,7 +40,7 @@ class SharedTensors:
             for old in list(self._maps):  # the producer moved to a new file (new size): drop the old map
                 del self._maps[old]
             m = self._maps[self.path] = np.memmap(self.path, dtype=np.uint8, mode="r")
-        return _views(m, self.index)
+        return views(m, self.index)
 
 
 class SharedMemoryWriter:
@@ -95,7 +55,7 @@ class SharedMemoryWriter:
     def write(self, tensors: dict[str, torch.Tensor]) -> SharedTensors | None:
         """The tensors in shared memory, or None when /dev/shm cannot hold them (the caller falls back
         to the object store: writing past a full tmpfs would kill the process with SIGBUS)."""
-        index, size = _layout(tensors)
+        index, size = layout(tensors)
         if self.map is None or self.map.shape[0] != size:
             self.close()
             st = os.statvfs(_SHM_DIR) if os.path.isdir(_SHM_DIR) else None
@@ -103,7 +63,7 @@ class SharedMemoryWriter:
                 return None
             self.path = os.path.join(_SHM_DIR, f"{_PREFIX}-{os.getpid()}-{self.tag}-{size}.bin")
             self.map = np.memmap(self.path, dtype=np.uint8, mode="w+", shape=(max(size, 1),))
-        _write(tensors, index, self.map)
+        write_into(tensors, index, self.map)
         return SharedTensors(self.path, index)
 
     def close(self) -> None:

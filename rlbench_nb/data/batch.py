@@ -15,6 +15,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from .packed import PackedTensors
+
 # Fields shown in the text/HTML table, in this order, when present.
 _TABLE_FIELDS = ("prompt", "response", "answer", "score", "advantage", "response_len", "reward_error")
 
@@ -29,12 +31,16 @@ class Batch:
 
     # ---- pickling (how a batch travels to and from Ray actors) -----------------------------------
     def __getstate__(self) -> dict:
-        # CPU tensors travel as flat byte arrays: Ray ships numpy buffers out-of-band (no per-tensor pickling,
-        # ~1 ms per call here), and a slice sends its own bytes, not the whole storage it views
-        return {"tensors": {k: _to_bytes(v) for k, v in self.tensors.items()}, "meta": self.meta, "info": self.info}
+        # CPU tensors travel as one flat buffer (`PackedTensors`): Ray ships it out of band (no per-tensor
+        # pickling, ~1 ms per call here), and a slice sends its own rows, not the whole storage it views
+        flat = {k: v for k, v in self.tensors.items() if v.device.type == "cpu" and not v.requires_grad}
+        return {"order": list(self.tensors), "packed": PackedTensors.pack(flat),
+                "other": {k: v for k, v in self.tensors.items() if k not in flat},  # pickled as tensors
+                "meta": self.meta, "info": self.info}
 
     def __setstate__(self, state: dict) -> None:
-        self.tensors = {k: _from_bytes(v) for k, v in state["tensors"].items()}
+        tensors = state["packed"].unpack(writable=True) | state["other"]  # batches are written to
+        self.tensors = {k: tensors[k] for k in state["order"]}
         self.meta, self.info = state["meta"], state["info"]
 
     def _check(self) -> None:
@@ -169,19 +175,3 @@ def _short(v, width: int = 24) -> str:
     s = f"{v:.3g}" if isinstance(v, float) else repr(v) if isinstance(v, str) else str(v)
     return s if len(s) <= width else s[: width - 1] + "…"
 
-
-def _to_bytes(t: torch.Tensor):
-    if t.device.type != "cpu" or t.requires_grad or t.dim() == 0:
-        return t  # pickled as a tensor
-    return (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def _from_bytes(x) -> torch.Tensor:
-    if torch.is_tensor(x):
-        return x
-    dtype, shape, data = x
-    if data.size == 0:
-        return torch.empty(shape, dtype=getattr(torch, dtype))
-    if not data.flags.writeable:  # mapped from Ray's object store: batches are written to, so copy
-        data = data.copy()
-    return torch.from_numpy(data).view(getattr(torch, dtype)).view(shape)

@@ -26,7 +26,7 @@ def _has_custom_logits(config) -> bool:
 
 class TokenScorer(nn.Module):
     def __init__(self, lm: nn.Module, chunk_mb: float, temperature: float, compute_dtype: torch.dtype,
-                 autocast: bool, share_prefix: bool = False):
+                 autocast: bool):
         super().__init__()
         self.lm = lm
         vocab = lm.get_output_embeddings().weight.shape[0]
@@ -34,7 +34,7 @@ class TokenScorer(nn.Module):
         self.temperature = temperature if temperature > 0 else 1.0  # score the distribution the rollout sampled from
         self.compute_dtype = compute_dtype
         self.autocast = autocast  # mixed precision without FSDP2: fp32 weights, matmuls in compute_dtype
-        self.share_prefix = share_prefix
+        self.share_prefix = False  # set by the worker once it knows whether it is sharded (roles/policy.py)
 
     def forward(self, prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR, with_entropy: bool = True):
         """Log-probs [B, R] of the response tokens after their (left-padded) prompts, and the entropy of

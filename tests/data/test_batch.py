@@ -45,23 +45,27 @@ def test_pickled_batches_carry_their_own_bytes_and_come_back_writable():
     import copy
     import pickle
     b = Batch({"f_BT": torch.randn(6, 3), "h_B": torch.arange(6).to(torch.bfloat16),
+               "g_B": torch.randn(6, requires_grad=True),  # not packed: pickled as a tensor, order kept
                "m_B": torch.ones(6, dtype=torch.bool), "t_BT": torch.randn(3, 6).t(), "e_B0": torch.zeros(6, 0)},
               {"prompt": list("abcdef")}, {"step": 1})
     for back in (pickle.loads(pickle.dumps(b)), copy.deepcopy(b)):
-        assert back.info == {"step": 1} and back["prompt"] == list("abcdef")
+        assert back.info == {"step": 1} and back["prompt"] == list("abcdef") and back.keys() == b.keys()
         for k, v in b.tensors.items():
             assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+        assert back["g_B"].requires_grad
     # a slice travels with its rows only, not the whole storage it views
     big = Batch({"x_BT": torch.zeros(1000, 100)})
     assert len(pickle.dumps(big.slice(0, 10))) < len(pickle.dumps(big)) / 50
-    # bytes mapped read-only (Ray's object store) are copied: a batch is written to later
+    # bytes mapped read-only (Ray's object store) are copied before anyone writes to the batch
     state = b.__getstate__()
-    dtype, shape, data = state["tensors"]["f_BT"]
-    data.flags.writeable = False
+    mapped = state["packed"].buffer
+    mapped.flags.writeable = False
+    store = mapped.copy()
     back = Batch.__new__(Batch)
     back.__setstate__(state)
-    back["f_BT"][0, 0] = 7.0
-    assert back["f_BT"][0, 0] == 7.0 and b["f_BT"][0, 0] != 7.0
+    back["f_BT"].fill_(7.0)
+    back["h_B"].fill_(7.0)
+    assert (back["f_BT"] == 7.0).all() and (mapped == store).all()
 
 
 def test_only_keeps_the_named_fields_and_the_info():
