@@ -35,6 +35,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 def build_model_dir(path: Path, shape: dict) -> int:
     """A Qwen2 model (random init) + the built-in task's tokenizer, saved as a local HF dir. Returns params."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
     from rlbench_nb.data.tasks.arithmetic import make_tokenizer
     tok = make_tokenizer(path)
     cfg = Qwen2Config(**shape, max_position_embeddings=512, rope_theta=1e6, pad_token_id=tok.pad_token_id,

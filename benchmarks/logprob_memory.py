@@ -18,7 +18,8 @@ from pathlib import Path
 CHILD = r"""
 import json, resource, sys, time, torch
 from rlbench_nb.ops import naive_logprobs_entropy, token_logprobs_entropy
-method, N, H, V, chunk, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+method, N, H, V, chunk, dtype = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
+                                 sys.argv[6])
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 dt = getattr(torch, dtype)
 torch.manual_seed(0)
@@ -74,7 +75,8 @@ def main():
           f"{rows[0]['device']}")
     print(f"{'vocab':>8} {'method':<9}{'chunk':>7}{'peak GiB':>10}{'seconds':>10}")
     for r in rows:
-        print(f"{r['vocab']:>8} {r['method']:<9}{r['chunk_tokens'] or '-':>7}{r['peak_gb']:>10.3f}{r['seconds']:>10.3f}")
+        print(f"{r['vocab']:>8} {r['method']:<9}{r['chunk_tokens'] or '-':>7}"
+              f"{r['peak_gb']:>10.3f}{r['seconds']:>10.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

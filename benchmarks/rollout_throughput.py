@@ -59,12 +59,13 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 
 
 def measure(size: str, engine: str, path: Path, repeats: int) -> dict:
-    import rlbench_nb as rl
     from transformers import AutoTokenizer
+
+    import rlbench_nb as rl
     _, n, max_new = SIZES[size]
     tok = AutoTokenizer.from_pretrained(str(path))
-    cfg = rl.Config.load(None, [f"model.path={path}", f"rollout.max_new_tokens={max_new}", "rollout.micro_batch_size=1024",
-                                "data.max_prompt_len=16"])
+    cfg = rl.Config.load(None, [f"model.path={path}", f"rollout.max_new_tokens={max_new}",
+                                "rollout.micro_batch_size=1024", "data.max_prompt_len=16"])
     batch = prompts(tok, n)
     row = {"size": size, "engine": engine, "completions": n, "max_new_tokens": max_new}
     if engine == "plain":

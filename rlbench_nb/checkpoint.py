@@ -1,8 +1,18 @@
-"""Checkpoint files: atomic writes, finding the latest, and aligning metrics with a restored step.
+"""Checkpoints: a whole session's state in a folder, saved and loaded by two free functions (as nanochat's
+`save_checkpoint` / `load_checkpoint`), and the file rules that keep them safe.
 
-A checkpoint is a folder: config.yaml, controller.json (step, data position, KL controller, evals),
-policy/ (model.safetensors + trainer_state.pt: optimizer and RNG, loaded with weights_only=True),
-critic/ when PPO, rollout_state.pt. Nothing in it is unpickled as code.
+    RUN_DIR/checkpoints/<name>/
+      config.yaml         the run's config
+      controller.json     step, data position, KL controller, evals (the controller's own state)
+      policy/             model.safetensors (a from_pretrained-loadable directory) + trainer_state.pt
+      critic/             value_model.safetensors + trainer_state.pt (PPO)
+      rollout_state.pt    each rollout rank's sampling RNG
+      COMPLETE            written last: a folder without it is an interrupted save
+    RUN_DIR/checkpoints/latest   the name of the newest checkpoint
+
+Saves are atomic (a temporary sibling folder renamed into place: the previous checkpoint stays loadable
+whatever happens mid-save). Nothing in a checkpoint is unpickled as code: tensors-only files are loaded
+with `weights_only=True`.
 """
 from __future__ import annotations
 
@@ -11,16 +21,87 @@ import logging
 import os
 import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
-from .metrics import read_jsonl
+from .errors import RLBenchError
+
+if TYPE_CHECKING:
+    from .session import Session
 
 log = logging.getLogger(__name__)
 
+RESERVED_NAMES = {"latest"}
 
-class CheckpointError(ValueError):
-    pass
+
+class CheckpointError(RLBenchError, ValueError):
+    """A checkpoint that cannot be written or loaded, and why."""
+
+
+# ---- the two functions the controller calls ------------------------------------------------------
+def save(sess: Session, name: str) -> Path:
+    """A checkpoint that resumes exactly: weights, optimizer, RNG, data position, step, KL controller."""
+    import torch
+    final = checkpoint_path(sess.run_dir, name)
+    controller = sess.controller_state()
+    groups = sess.workers.groups
+
+    def write(tmp: Path) -> None:
+        sess.cfg.save(tmp / "config.yaml")
+        (tmp / "controller.json").write_text(json.dumps(controller, indent=1))
+        groups["policy"].call("save", str(tmp / "policy"))  # all ranks: gathers when sharded
+        if "critic" in groups:
+            groups["critic"].call("save", str(tmp / "critic"))
+        torch.save(groups["rollout"].call("get_state"), tmp / "rollout_state.pt")
+
+    write_atomically(final, write)
+    return final
+
+
+def restore(sess: Session, path: Path) -> None:
+    """Bring `sess` to the checkpoint at `path` (a folder from `resolve`): trainer weights and optimizers,
+    the rollout engine's weights and RNG, the controller's state, the metrics history."""
+    groups = sess.workers.groups
+    states = load_tensors(path / "rollout_state.pt")  # one per rollout rank
+    if len(states) != groups["rollout"].world_size:
+        raise CheckpointError(f"checkpoint {path} has {len(states)} rollout rank(s); this session has "
+                              f"{groups['rollout'].world_size}: set cluster.rollout_ranks to match")
+    controller = json.loads((path / "controller.json").read_text())
+    groups["policy"].call("load", str(path / "policy"))
+    if "critic" in groups:
+        groups["critic"].call("load", str(path / "critic"))
+    groups["rollout"].call_each("set_state", [(s,) for s in states])
+    sess.load_controller_state(controller)
+    sess.workers.sync(version=sess.step_count)
+
+
+def load(path: str | Path, run_dir: str | Path | None = None, overrides=()) -> Session:
+    """A new session from a checkpoint folder or a run directory (its latest checkpoint). It writes into
+    `run_dir` when given, else into the run directory the checkpoint belongs to."""
+    from .config import Config
+    from .session import Session
+    path = resolve(Path(path))
+    cfg = Config.load(path / "config.yaml", overrides)
+    sess = Session(cfg, run_dir=Path(run_dir) if run_dir else path.parent.parent)
+    try:
+        restore(sess, path)
+    except BaseException:
+        sess.close()
+        raise
+    return sess
+
+
+# ---- files --------------------------------------------------------------------------------------
+def checkpoint_path(run_dir: Path, name: str) -> Path:
+    """RUN_DIR/checkpoints/<name>, for a name that is a plain folder name (no separators, not empty, '.',
+    '..', hidden or reserved): anything else could write outside the folder or clobber its bookkeeping."""
+    name = str(name)
+    if (not name or name in (".", "..") or name.startswith(".") or "/" in name or "\\" in name
+            or name in RESERVED_NAMES or os.sep in name):
+        raise CheckpointError(f"checkpoint name {name!r} is not allowed: use a plain folder name such as "
+                              "'step_100' (no path separators, not empty, not starting with '.', not 'latest')")
+    return Path(run_dir) / "checkpoints" / name
 
 
 def write_atomically(final: Path, write: Callable[[Path], None]) -> None:
@@ -57,50 +138,36 @@ def load_tensors(path: Path, map_location=None):
                               "are loaded without executing pickled code; load an earlier checkpoint") from None
 
 
-def write_json(path: Path, data: dict) -> None:
-    """Replace a small JSON file atomically."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+def _complete(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if not p.name.startswith(".") and (p / "COMPLETE").exists()]
 
 
-def _newest_complete(folder: Path) -> Path | None:
-    done = [p for p in folder.iterdir() if not p.name.startswith(".") and (p / "COMPLETE").exists()]
-    return max(done, key=lambda p: json.loads((p / "controller.json").read_text())["step"], default=None)
+def _saved_ns(checkpoint: Path) -> int:
+    return (checkpoint / "COMPLETE").stat().st_mtime_ns  # written last inside the folder, just before the rename
 
 
 def resolve(path: Path) -> Path:
     """A checkpoint folder from a checkpoint path, a checkpoints/ folder or a run directory (-> latest).
 
-    If `latest` names a folder that is not there (a kill between moving an old checkpoint of the same
-    name aside and renaming the new one in), the newest complete checkpoint is used instead."""
+    `latest` is updated right after a save's rename; a process killed in between leaves it naming the
+    previous checkpoint (or, if a checkpoint of the same name was being replaced, nothing). Either way the
+    checkpoint saved last (by its COMPLETE marker, written just before the rename) is used, with a warning."""
     path = Path(path)
     for candidate in (path, path / "checkpoints"):
-        if (candidate / "latest").is_file():
-            path = candidate / (candidate / "latest").read_text().strip()
-            if not path.exists() and _newest_complete(candidate) is not None:
-                log.warning("checkpoint %s named by latest is missing; using the newest complete one", path)
-                path = _newest_complete(candidate)
+        pointer = candidate / "latest"
+        if pointer.is_file():
+            path = candidate / pointer.read_text().strip()
+            newer = [c for c in _complete(candidate) if _saved_ns(c) > pointer.stat().st_mtime_ns]
+            if newer or not path.exists():
+                last = max(newer or _complete(candidate), key=_saved_ns, default=None)
+                if last is not None and last != path:
+                    log.warning("checkpoints/latest names %s, but %s was saved after it (a save interrupted "
+                                "before it could update latest): using %s", path.name, last.name, last.name)
+                    path = last
             break
     if not (path / "controller.json").exists():
         raise CheckpointError(f"no checkpoint at {path} (expected controller.json; give a checkpoint folder "
                               "or a run directory with checkpoints/latest)")
     if not (path / "COMPLETE").exists():
         raise CheckpointError(f"checkpoint {path} is incomplete (interrupted save?); load an earlier one")
-    return path
-
-
-def truncate_metrics(metrics_path: Path, step: int) -> list[dict]:
-    """Keep metrics rows up to `step` in metrics.jsonl (the resumed run rewrites the rest); rows past it
-    move to metrics.superseded.jsonl so nothing written is lost. Returns the kept training rows."""
-    rows = read_jsonl(metrics_path)
-    keep = [r for r in rows if r.get("step", 0) <= step]
-    later = [r for r in rows if r.get("step", 0) > step]
-    if later:
-        with (metrics_path.parent / "metrics.superseded.jsonl").open("a") as f:
-            for r in later:
-                f.write(json.dumps(r) + "\n")
-        tmp = metrics_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-        tmp.replace(metrics_path)
-    return [r for r in keep if "reward/mean" in r]
+    return path.absolute()

@@ -13,7 +13,8 @@ import argparse
 import logging
 import sys
 
-from .config import ConfigError, help_text
+from .config import help_text
+from .errors import RLBenchError
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -33,7 +34,8 @@ def _train_parser() -> argparse.ArgumentParser:
 def summary_table(summary: dict) -> str:
     before, after = summary["accuracy_before"], summary["accuracy_after"]
     rows = [
-        ("held-out accuracy", f"{before:.3f} -> {after:.3f}  ({after - before:+.3f}, {summary['eval_prompts']} prompts, greedy)"),
+        ("held-out accuracy",
+         f"{before:.3f} -> {after:.3f}  ({after - before:+.3f}, {summary['eval_prompts']} prompts, greedy)"),
         ("train reward", f"{summary['reward_first']:.3f} (first steps) -> {summary['reward_last']:.3f} (last steps)"
          if summary["reward_first"] is not None else "-"),
         ("steps", f"{summary['steps']} ({summary['steps_this_run']} this run)"),
@@ -46,28 +48,41 @@ def summary_table(summary: dict) -> str:
 
 def train(argv: list[str]) -> int:
     args = _train_parser().parse_intermixed_args(argv)  # flags may sit between the config and overrides
-    from .session import Session
     import transformers
+
+    from .session import Session
     transformers.logging.disable_progress_bar()
     transformers.logging.set_verbosity_error()
-    try:
-        if args.resume:
-            sess = Session.load(args.resume, overrides=([args.config] if args.config else []) + args.overrides)
-            steps = args.steps if args.steps is not None else max(sess.cfg.run.steps - sess.step_count, 0)
-        else:
-            if not args.config:
-                print("rlbench-nb train: give a config file (or --resume RUN_DIR)", file=sys.stderr)
-                return 2
-            sess = Session(args.config, overrides=args.overrides, run_dir=args.run_dir)
-            steps = args.steps
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"rlbench-nb train: {e}", file=sys.stderr)
-        return 2
+    if args.resume:
+        sess = Session.load(args.resume, overrides=([args.config] if args.config else []) + args.overrides)
+        steps = args.steps if args.steps is not None else max(sess.cfg.run.steps - sess.step_count, 0)
+    else:
+        if not args.config:
+            print("rlbench-nb train: give a config file (or --resume RUN_DIR)", file=sys.stderr)
+            return 2
+        sess = Session(args.config, overrides=args.overrides, run_dir=args.run_dir)
+        steps = args.steps
     print(f"run directory: {sess.run_dir}", flush=True)
-    summary = sess.run(steps, progress=not args.quiet)
-    sess.close()
+    with sess:
+        try:
+            summary = sess.run(steps, progress=not args.quiet)
+        except KeyboardInterrupt:
+            print(save_on_interrupt(sess), file=sys.stderr)
+            return 130
     print("\n" + summary_table(summary))
     return 0
+
+
+def save_on_interrupt(sess) -> str:
+    """Ctrl-C in a batch run: checkpoint where it stands (the interrupted step either completed or never
+    started) and say how to continue."""
+    where = sess.run_dir
+    try:
+        path = sess.save(f"step_{sess.step_count}")
+    except Exception as e:  # noqa: BLE001 - the message says what is left
+        return f"\ninterrupted at step {sess.step_count}; the checkpoint could not be written ({e})"
+    return (f"\ninterrupted at step {sess.step_count}: checkpoint saved in {path}\n"
+            f"continue with: rlbench-nb train --resume {where}")
 
 
 def export(argv: list[str]) -> int:
@@ -77,19 +92,17 @@ def export(argv: list[str]) -> int:
     p.add_argument("--format", default="script", choices=["script", "py:percent"],
                    help="'script': runnable with flags; 'py:percent': jupytext round trip, tags kept")
     args = p.parse_args(argv)
-    from .export import ExportError, export as do_export
     from pathlib import Path
-    try:
-        out = do_export(args.notebook, args.output or Path(args.notebook).with_suffix(".py").name, args.format)
-    except ExportError as e:
-        print(f"rlbench-nb export: {e}", file=sys.stderr)
-        return 2
+
+    from .export import export as do_export
+    out = do_export(args.notebook, args.output or Path(args.notebook).with_suffix(".py").name, args.format)
     print(f"wrote {out}")
     return 0
 
 
 def kernel(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="rlbench-nb kernel", description="Install the Jupyter kernel for this environment.")
+    p = argparse.ArgumentParser(prog="rlbench-nb kernel",
+                                description="Install the Jupyter kernel for this environment.")
     p.add_argument("action", choices=["install"])
     p.add_argument("--name", default="rlbench-nb")
     p.add_argument("--display-name", default="Python (rlbench-nb)")
@@ -109,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    return commands[argv[0]](argv[1:])
+    try:
+        return commands[argv[0]](argv[1:])
+    except RLBenchError as e:  # explained problems: one line; anything else is a bug and keeps its traceback
+        print(f"rlbench-nb {argv[0]}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

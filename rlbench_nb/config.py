@@ -11,58 +11,93 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .errors import RLBenchError
 
-class ConfigError(ValueError):
+
+class ConfigError(RLBenchError, ValueError):
     """A configuration problem, explained in one line."""
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class RunConfig(_Section):
-    name: str = Field("run", description="Run name; the run directory is <dir>/<name> (a suffix is added if it exists).")
-    dir: str = Field("runs", description="Parent folder of run directories.")
-    seed: int = Field(0, description="Seed for data order, sampling and model init.")
-    steps: int = Field(400, ge=0, description="Training steps for `Session.run()` / `rlbench-nb train`.")
-    save_rollouts_every: int = Field(10, ge=0, description="Write rollouts/step_N.jsonl every K steps (0: never).")
-    checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every K steps during run() (0: only at the end).")
-    eval_every: int = Field(0, ge=0, description="Held-out greedy accuracy every K steps during run() (0: before and after only).")
-    tensorboard: bool = Field(True, description="Write TensorBoard event files into the run directory.")
+    name: str = "run"
+    """Run name; the run directory is <dir>/<name> (a suffix is added if it exists)."""
+    dir: str = "runs"
+    """Parent folder of run directories."""
+    seed: int = 0
+    """Seed for data order, sampling and model init."""
+    steps: int = Field(400, ge=0)
+    """Training steps for `Session.run()` / `rlbench-nb train`."""
+    save_rollouts_every: int = Field(10, ge=0)
+    """Write rollouts/step_N.jsonl every K steps (0: never)."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Save a checkpoint every K steps during run() (0: only at the end)."""
+    eval_every: int = Field(0, ge=0)
+    """Held-out greedy accuracy every K steps during run() (0: before and after only)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files into the run directory."""
 
 
 class ClusterConfig(_Section):
-    backend: Literal["local", "ray"] = Field(
-        "local", description="'local': every role in this process (world size 1, pdb works); 'ray': each rank a Ray actor.")
-    address: Optional[str] = Field(None, description="Ray cluster to attach to ('auto', 'HOST:PORT'); null: start an embedded one on 127.0.0.1.")
-    namespace: str = Field("rlbench-nb", description="Ray namespace of the named role actors.")
-    num_cpus: int = Field(0, ge=0, description="Embedded Ray: CPUs it may use (0: all of this machine's).")
-    dashboard: bool = Field(False, description="Embedded Ray: start the dashboard (needed by `ray job submit`; no authentication).")
-    log_to_driver: bool = Field(True, description="Show the workers' stdout/stderr in this process.")
-    train_ranks: int = Field(1, ge=1, description="Ray: FSDP2 ranks of each trainer role (policy, reference, critic).")
-    rollout_ranks: int = Field(1, ge=1, description="Ray: rollout workers; each generates its share of the batch.")
-    cpus_per_worker: float = Field(0.25, gt=0, description="Ray: CPUs reserved per worker (fractions share cores).")
-    gpus_per_worker: float = Field(0.0, ge=0, description="Ray: GPUs reserved per worker (fractions colocate roles).")
-    call_timeout_s: float = Field(600.0, gt=0, description="Ray: a worker call with no answer by then fails, naming the role and rank.")
-    placement_timeout_s: float = Field(60.0, gt=0, description="Ray: how long to wait for resources before saying what is missing.")
-    detached: bool = Field(False, description="Ray: actors outlive this process (needs a cluster started with `ray start --head`).")
-    num_threads: int = Field(0, ge=0, description="torch CPU threads per process (0: torch's default).")
+    backend: Literal["local", "ray"] = "local"
+    """'local': every role in this process (world size 1, pdb works); 'ray': each rank a Ray actor."""
+    address: str | None = None
+    """Ray cluster to attach to ('auto', 'HOST:PORT'); null: start an embedded one on 127.0.0.1."""
+    namespace: str = "rlbench-nb"
+    """Ray namespace of the named role actors."""
+    num_cpus: int = Field(0, ge=0)
+    """Embedded Ray: CPUs it may use (0: all of this machine's)."""
+    dashboard: bool = False
+    """Embedded Ray: start the dashboard (needed by `ray job submit`; no authentication)."""
+    log_to_driver: bool = True
+    """Show the workers' stdout/stderr in this process."""
+    train_ranks: int = Field(1, ge=1)
+    """Ray: FSDP2 ranks of each trainer role (policy, reference, critic)."""
+    rollout_ranks: int = Field(1, ge=1)
+    """Ray: rollout workers; each generates its share of the batch."""
+    cpus_per_worker: float = Field(0.25, gt=0)
+    """Ray: CPUs reserved per worker (fractions share cores)."""
+    gpus_per_worker: float = Field(0.0, ge=0)
+    """Ray: GPUs reserved per worker (fractions colocate roles)."""
+    call_timeout_s: float = Field(600.0, gt=0)
+    """Ray: a worker call with no answer by then fails, naming the role and rank."""
+    placement_timeout_s: float = Field(60.0, gt=0)
+    """Ray: how long to wait for resources before saying what is missing."""
+    detached: bool = False
+    """Ray: actors outlive this process (needs a cluster started with `ray start --head`)."""
+    num_threads: int = Field(0, ge=0)
+    """torch CPU threads per process (0: torch's default)."""
 
 
 class TaskConfig(_Section):
-    name: Literal["arithmetic"] = Field("arithmetic", description="Built-in offline task: prompts, verifier, warm-start model.")
-    max_operand: int = Field(49, ge=1, le=9999, description="Operands are drawn from [0, max_operand].")
-    ops: str = Field("+", min_length=1, description="Operators to draw from, any of '+-*'.")
-    num_train: int = Field(2000, ge=1, description="Training prompts in the built-in split.")
-    num_test: int = Field(200, ge=1, description="Held-out prompts (never trained on, by SFT or RL).")
-    warm_start_steps: int = Field(250, ge=0, description="Supervised steps of the built-in warm start (cached).")
-    warm_start_lr: float = Field(3e-3, gt=0, description="Learning rate of the warm start.")
-    warm_start_batch: int = Field(64, ge=1, description="Batch size of the warm start.")
+    name: Literal["arithmetic"] = "arithmetic"
+    """Built-in offline task: prompts, verifier, warm-start model."""
+    max_operand: int = Field(49, ge=1, le=9999)
+    """Operands are drawn from [0, max_operand]."""
+    ops: str = Field("+", min_length=1)
+    """Operators to draw from, any of '+-*'."""
+    num_train: int = Field(2000, ge=1)
+    """Training prompts in the built-in split."""
+    num_test: int = Field(500, ge=1)
+    """Held-out prompts (never trained on, by SFT or RL)."""
+    warm_start_steps: int = Field(600, ge=0)
+    """Most supervised steps of the built-in warm start (cached); it stops earlier once it reaches
+    task.warm_start_target."""
+    warm_start_target: float = Field(0.4, gt=0, le=1)
+    """The warm start stops once its greedy accuracy on 256 training prompts reaches this (checked every 10 steps):
+    RL starts from the same skill on any CPU, whatever path the supervised run took to it."""
+    warm_start_lr: float = Field(3e-3, gt=0)
+    """Learning rate of the warm start (decays linearly to 0 over task.warm_start_steps)."""
+    warm_start_batch: int = Field(64, ge=1)
+    """Batch size of the warm start."""
 
     @model_validator(mode="after")
     def _ops_known(self):
@@ -73,97 +108,156 @@ class TaskConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: Optional[str] = Field(None, description="Local Hugging Face model directory; null: the task's warm-started model.")
-    hidden_size: int = Field(128, ge=8, description="Built-in model: hidden size.")
-    num_layers: int = Field(4, ge=1, description="Built-in model: decoder layers.")
-    num_heads: int = Field(4, ge=1, description="Built-in model: attention heads.")
-    intermediate_size: int = Field(256, ge=8, description="Built-in model: MLP width.")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Compute dtype. Trainers keep fp32 master weights and compute in it (FSDP2 mixed "
-        "precision when sharded, autocast otherwise); rollout and reference hold their weights in it.")
+    path: str | None = None
+    """Local Hugging Face model directory; null: the task's warm-started model."""
+    hidden_size: int = Field(128, ge=8)
+    """Built-in model: hidden size."""
+    num_layers: int = Field(4, ge=1)
+    """Built-in model: decoder layers."""
+    num_heads: int = Field(4, ge=1)
+    """Built-in model: attention heads."""
+    intermediate_size: int = Field(256, ge=8)
+    """Built-in model: MLP width."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype. Trainers keep fp32 master weights and compute in it (FSDP2 mixed precision when sharded,
+    autocast otherwise); rollout and reference hold their weights in it."""
 
 
 class DataConfig(_Section):
-    train_path: Optional[str] = Field(None, description="JSONL or Parquet file of training prompts; null: the task's split.")
-    test_path: Optional[str] = Field(None, description="JSONL or Parquet file of held-out prompts; null: the task's split.")
-    prompt_key: str = Field("prompt", description="Row field holding the prompt text; other fields reach the reward function.")
-    max_prompt_len: int = Field(32, ge=1, description="Rows whose prompt has more tokens are skipped and reported.")
-    batch_size: int = Field(32, ge=1, description="Prompts per training step (each sampled rollout.n times).")
-    shuffle: bool = Field(True, description="Reshuffle the training prompts every epoch (seeded).")
-    chat_template: bool = Field(True, description="Wrap prompts with the tokenizer's chat template when it has one.")
+    train_path: str | None = None
+    """JSONL or Parquet file of training prompts; null: the task's split."""
+    test_path: str | None = None
+    """JSONL or Parquet file of held-out prompts; null: the task's split."""
+    prompt_key: str = "prompt"
+    """Row field holding the prompt text; other fields reach the reward function."""
+    max_prompt_len: int = Field(32, ge=1)
+    """Rows whose prompt has more tokens are skipped and reported."""
+    batch_size: int = Field(32, ge=1)
+    """Prompts per training step (each sampled rollout.n times)."""
+    shuffle: bool = True
+    """Reshuffle the training prompts every epoch (seeded)."""
+    chat_template: bool = True
+    """Wrap prompts with the tokenizer's chat template when it has one."""
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf", "vllm"] = Field("hf", description="'hf': transformers generate with KV cache; 'vllm': one "
-                                          "vllm.LLM per rollout worker (pip install rlbench-nb[vllm]).")
-    n: int = Field(8, ge=1, description="Samples per prompt (the group size of GRPO/RLOO).")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
-    max_new_tokens: int = Field(8, ge=1, description="Response length cap; generation also stops at EOS.")
-    micro_batch_size: int = Field(512, ge=1, description="HF engine: sequences per generate() call.")
-    colocate: bool = Field(False, description="Rollout shares the trainers' devices and, under Ray, the policy's "
-                           "processes (weights handed over in memory; cluster.rollout_ranks = train_ranks); it "
-                           "sleeps during updates (vLLM sleep mode / HF weights to host memory; a no-op on CPU).")
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs per rollout engine.")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on GPU: share of GPU memory for "
-                                          "weights + KV cache (leave room for the trainers when colocated).")
-    kv_cache_gb: int = Field(1, ge=1, description="vLLM on CPU: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE).")
-    enforce_eager: Optional[bool] = Field(None, description="vLLM: no CUDA graphs / compilation (null: eager on "
-                                          "CPU, graphs on GPU).")
+    engine: Literal["hf", "vllm"] = "hf"
+    """'hf': transformers generate with KV cache; 'vllm': one vllm.LLM per rollout worker (pip install rlbench-
+    nb[vllm])."""
+    n: int = Field(8, ge=1)
+    """Samples per prompt (the group size of GRPO/RLOO)."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature (0: greedy)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0: off)."""
+    max_new_tokens: int = Field(8, ge=1)
+    """Response length cap; generation also stops at EOS."""
+    micro_batch_size: int = Field(512, ge=1)
+    """HF engine: sequences per generate() call."""
+    colocate: bool = False
+    """Rollout shares the trainers' devices and, under Ray, the policy's processes (weights handed over in memory;
+    cluster.rollout_ranks = train_ranks); it sleeps during updates (vLLM sleep mode / HF weights to host memory; a
+    no-op on CPU)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """vLLM: GPUs per rollout engine."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """vLLM on GPU: share of GPU memory for weights + KV cache (leave room for the trainers when colocated)."""
+    kv_cache_gb: int = Field(1, ge=1)
+    """vLLM on CPU: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)."""
+    enforce_eager: bool | None = None
+    """vLLM: no CUDA graphs / compilation (null: eager on CPU, graphs on GPU)."""
 
 
 class AlgoConfig(_Section):
-    advantage: Literal["grpo", "gae", "rloo", "reinforce_pp"] = Field(
-        "grpo", description="Advantage estimator: grpo (Shao et al. 2024), gae (Schulman et al. 2016; needs the critic), "
-        "rloo (Ahmadian et al. 2024), reinforce_pp (Hu 2025).")
-    norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group std; false is Dr. GRPO (Liu et al. 2025).")
-    gamma: float = Field(1.0, ge=0, le=1, description="GAE / REINFORCE++ discount.")
-    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
-    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1 (epsilon_low).")
-    clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1 (epsilon_high; >clip_low is DAPO clip-higher).")
-    dual_clip: Optional[float] = Field(None, gt=1, description="Dual-clip constant c>1 for negative advantages (Ye et al. 2020); null: off.")
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
-        "token-mean", description="How per-token losses become one number (token-mean is DAPO's).")
-    kl_coef: float = Field(0.0, ge=0, description="KL(policy || reference) coefficient; 0 skips the reference model.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman 2020): k1 log-ratio, k2 squared, k3 low-variance.")
-    kl_in: Literal["loss", "reward"] = Field("loss", description="Apply KL as a loss term (GRPO) or as a per-token reward penalty (PPO/RLHF).")
-    kl_ctrl: Literal["fixed", "adaptive"] = Field("fixed", description="Fixed coefficient, or adaptive toward target_kl (Ziegler et al. 2019).")
-    target_kl: float = Field(0.1, gt=0, description="Adaptive KL controller target.")
-    kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon.")
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
-    value_clip: float = Field(0.5, gt=0, description="Clipped value loss range (PPO).")
-    reuse_logprobs: bool = Field(False, description="On-policy single-epoch updates without a reference model take "
-                                 "the old log-probs from the update's own forward (ratio exactly 1, as TRL does with "
-                                 "num_iterations=1) instead of a separate forward in prepare(), which then has none.")
+    advantage: Literal["grpo", "gae", "rloo", "reinforce_pp"] = "grpo"
+    """Advantage estimator: grpo (Shao et al. 2024), gae (Schulman et al. 2016; needs the critic), rloo (Ahmadian et
+    al. 2024), reinforce_pp (Hu 2025)."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group std; false is Dr. GRPO (Liu et al. 2025)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """GAE / REINFORCE++ discount."""
+    lam: float = Field(1.0, ge=0, le=1)
+    """GAE lambda."""
+    clip_low: float = Field(0.2, ge=0)
+    """PPO ratio clip below 1 (epsilon_low)."""
+    clip_high: float = Field(0.2, ge=0)
+    """PPO ratio clip above 1 (epsilon_high; >clip_low is DAPO clip-higher)."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip constant c>1 for negative advantages (Ye et al. 2020); null: off."""
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """How per-token losses become one number (token-mean is DAPO's)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL(policy || reference) coefficient; 0 skips the reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman 2020): k1 log-ratio, k2 squared, k3 low-variance."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Apply KL as a loss term (GRPO) or as a per-token reward penalty (PPO/RLHF)."""
+    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
+    """Fixed coefficient, or adaptive toward target_kl (Ziegler et al. 2019)."""
+    target_kl: float = Field(0.1, gt=0)
+    """Adaptive KL controller target."""
+    kl_horizon: int = Field(10000, ge=1)
+    """Adaptive KL controller horizon."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus coefficient."""
+    value_clip: float = Field(0.5, gt=0)
+    """Clipped value loss range (PPO)."""
+    reuse_logprobs: bool = False
+    """On-policy single-epoch updates without a reference model take the old log-probs from the update's own forward
+    (ratio exactly 1, as TRL does with num_iterations=1) instead of a separate forward in prepare(), which then
+    has none."""
 
 
 class TrainConfig(_Section):
-    lr: float = Field(1e-4, gt=0, description="Policy learning rate (AdamW).")
-    critic_lr: float = Field(1e-3, gt=0, description="Critic learning rate (AdamW).")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this.")
-    epochs: int = Field(1, ge=1, description="Passes over each batch (PPO epochs).")
-    mini_batches: int = Field(1, ge=1, description="Optimizer steps per epoch: the batch is split into this many mini-batches.")
-    micro_batch_size: int = Field(256, ge=1, description="Sequences per forward/backward (gradient accumulation).")
-    critic_warmup: int = Field(0, ge=0, description="Steps that train only the critic (PPO).")
-    max_skipped_steps: int = Field(5, ge=1, description="Consecutive steps whose whole update was skipped for a "
-                                   "non-finite loss or gradient before the run stops with an error.")
-    logprob_chunk_mb: float = Field(256, ge=0, description="Memory (MiB of fp32 logits) per chunk of the fused "
-                                    "log-prob/entropy op: full [B, T, V] logits never exist (0: the model's own "
-                                    "forward, full logits).")
-    activation_checkpointing: bool = Field(False, description="Recompute decoder activations in the backward "
-                                           "pass (less memory, ~1/3 more compute).")
-    share_prompt_prefix: bool = Field(True, description="Run each distinct prompt through the decoder once and "
-                                      "reuse its KV cache for its rollout.n responses (log-probs and update). "
-                                      "Same numbers; used when the role is not sharded and activations are kept.")
+    lr: float = Field(1e-4, gt=0)
+    """Policy learning rate (AdamW)."""
+    critic_lr: float = Field(1e-3, gt=0)
+    """Critic learning rate (AdamW)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this."""
+    epochs: int = Field(1, ge=1)
+    """Passes over each batch (PPO epochs)."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per epoch: the batch is split into this many mini-batches."""
+    micro_batch_size: int = Field(256, ge=1)
+    """Sequences per forward/backward (gradient accumulation)."""
+    critic_warmup: int = Field(0, ge=0)
+    """Steps that train only the critic (PPO)."""
+    max_skipped_steps: int = Field(5, ge=1)
+    """Consecutive steps whose whole update was skipped for a non-finite loss or gradient before the run stops with
+    an error."""
+    logprob_chunk_mb: float = Field(256, ge=0)
+    """Memory (MiB of fp32 logits) per chunk of the fused log-prob/entropy op: full [B, T, V] logits never exist (0:
+    the model's own forward, full logits)."""
+    activation_checkpointing: bool = False
+    """Recompute decoder activations in the backward pass (less memory, ~1/3 more compute)."""
+    share_prompt_prefix: bool = True
+    """Run each distinct prompt through the decoder once and reuse its KV cache for its rollout.n responses (log-
+    probs and update). Same numbers; used when the role is not sharded and activations are kept."""
 
 
 class RewardConfig(_Section):
-    fn: str = Field("task", description="'task': the task's verifier; or 'module:function' / 'path/file.py:function'.")
-    timeout_s: float = Field(30.0, gt=0, description="A reward call running longer is cut: the sample scores 0 "
-                             "with a timeout error and the step goes on.")
+    fn: str = "task"
+    """'task': the task's verifier; or 'module:function' / 'path/file.py:function'."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Deadline for a batch's reward calls, which run at once: a call still running then scores 0 with a
+    timeout error (killed under reward.isolation=process) and the step goes on."""
+    isolation: Literal["auto", "thread", "process"] = "auto"
+    """Where reward calls run. 'process': worker processes, so sys.exit, os._exit, crashes, runaway memory and
+    hangs cost only their samples; 'thread': this process (cheaper; a hung thread cannot be killed); 'auto':
+    process for your own functions under the local backend, else thread."""
+    processes: int = Field(2, ge=1)
+    """reward.isolation=process: worker processes per reward worker."""
+    concurrency: int = Field(8, ge=1)
+    """Reward calls running at once per process (threads; all of a batch's calls for an async function)."""
+    max_memory_gb: float | None = Field(None, gt=0)
+    """reward.isolation=process: memory a worker process may take (address space); a call past it fails."""
 
 
 _SECTIONS = {
@@ -175,15 +269,24 @@ _SECTIONS = {
 class Config(_Section):
     """The whole run. Sections mirror the package: run, cluster, task, model, data, rollout, algo, train, reward."""
 
-    run: RunConfig = Field(default_factory=RunConfig, description="Run directory, seed, cadence.")
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Where the role workers run.")
-    task: TaskConfig = Field(default_factory=TaskConfig, description="Built-in offline task.")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
-    data: DataConfig = Field(default_factory=DataConfig, description="Prompt datasets.")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
-    algo: AlgoConfig = Field(default_factory=AlgoConfig, description="RL algorithm.")
-    train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation.")
-    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Run directory, seed, cadence."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Where the role workers run."""
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    """Built-in offline task."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Policy model."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Prompt datasets."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Generation."""
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    """RL algorithm."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """Optimisation."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Reward function."""
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -210,7 +313,7 @@ class Config(_Section):
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> "Config":
+    def from_dict(cls, data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
         data = _deep_copy(data or {})
         for item in overrides:
             _apply_override(data, item)
@@ -220,7 +323,7 @@ class Config(_Section):
             raise ConfigError(_one_line(e, data)) from None
 
     @classmethod
-    def load(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> "Config":
+    def load(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
         data: dict = {}
         if path is not None:
             path = _find(Path(path))
@@ -232,7 +335,7 @@ class Config(_Section):
                 raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
         return cls.from_dict(data, overrides)
 
-    def override(self, *overrides: str) -> "Config":
+    def override(self, *overrides: str) -> Config:
         """A new Config with dotted `key=value` overrides applied."""
         return Config.from_dict(self.to_dict(), overrides)
 
@@ -265,7 +368,7 @@ def help_text() -> str:
     for s, sec in _SECTIONS.items():
         lines.append(f"{s}:  {Config.model_fields[s].description}")
         for k, f in sec.model_fields.items():
-            lines.append(f"  {s}.{k:<22} = {f.default!r:<14} {f.description}")
+            lines.append(f"  {s}.{k:<22} = {f.default!r:<14} {' '.join((f.description or '').split())}")
     return "\n".join(lines)
 
 

@@ -24,11 +24,13 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import RLBenchError
+
 DROP_TAGS = {"interactive", "remove-cell", "remove_cell", "export-skip"}
 DROPPED_MAGICS = ("%load_ext", "%matplotlib", "%config")
 
 
-class ExportError(ValueError):
+class ExportError(RLBenchError, ValueError):
     """The notebook cannot become a script; the message names the cell (index and first line)."""
 
 
@@ -41,7 +43,7 @@ class Cell:
 
     @property
     def first_line(self) -> str:
-        return next((l for l in self.source.splitlines() if l.strip()), "")[:60]
+        return next((line for line in self.source.splitlines() if line.strip()), "")[:60]
 
     def where(self) -> str:
         return f"cell {self.index} ({self.first_line!r})"
@@ -166,8 +168,8 @@ def to_script(path: str | Path) -> str:
     flags = []
     for p in params:
         if p.name == "overrides" and isinstance(p.default, list):
-            flags.append("    parser.add_argument('overrides', nargs='*', default=%r, help='config overrides "
-                         "key=value (default: %%(default)s)')" % (p.default,))
+            flags.append(f"    parser.add_argument('overrides', nargs='*', default={p.default!r}, help='config "
+                         "overrides key=value (default: %(default)s)')")
         else:
             flags.append(f"    parser.add_argument('--{p.name.replace('_', '-')}', dest={p.name!r}, "
                          f"type={_flag_type(p.default)}, default={p.default!r}, "
@@ -228,15 +230,18 @@ if __name__ == "__main__":
 
 
 def to_percent(path: str | Path) -> str:
-    """jupytext's py:percent format: every cell, tags kept, so the file opens as a notebook again."""
+    """jupytext's py:percent format: every cell, tags kept, so the file opens as a notebook again. Magics
+    and shell lines are commented out as jupytext does (`# %load_ext x`), so the file stays valid Python."""
     out = ["# ---\n# jupyter:\n#   jupytext:\n#     formats: ipynb,py:percent\n# ---\n"]
     for c in read_cells(path):
         meta = f" tags={json.dumps(sorted(c.tags))}" if c.tags else ""
         if c.kind == "markdown":
-            text = "\n".join("# " + l if l else "#" for l in c.source.splitlines())
+            text = "\n".join("# " + line if line else "#" for line in c.source.splitlines())
             out.append(f"# %% [markdown]{meta}\n{text}\n")
         elif c.kind == "code":
-            out.append(f"# %%{meta}\n{c.source}\n")
+            code = "\n".join("# " + line if line.lstrip().startswith(("%", "!")) else line
+                             for line in c.source.splitlines())
+            out.append(f"# %%{meta}\n{code}\n")
     return "\n".join(out)
 
 

@@ -7,16 +7,8 @@
 """
 from __future__ import annotations
 
-import weakref
-
 from .cluster.errors import WorkerError
-
-_SESSIONS: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def register(session) -> None:
-    """Sessions add themselves so `%rl status` can list them."""
-    _SESSIONS.add(session)
+from .session import Session, live_sessions
 
 
 def format_worker_error(err: WorkerError) -> str:
@@ -35,12 +27,12 @@ def _show_worker_error(shell, etype, value, tb, tb_offset=None):
 
 
 def rl_magic(line: str, shell=None) -> object:
-    from .session import Session
     args = line.split()
     if not args or args[0] == "status":
-        if not _SESSIONS:
+        sessions = live_sessions()
+        if not sessions:
             return "no live rlbench-nb sessions"
-        return "\n\n".join(repr(s) for s in list(_SESSIONS))
+        return "\n\n".join(repr(s) for s in sessions)
     if args[0] == "attach" and len(args) in (2, 3):
         sess = Session.attach(args[1], *(args[2:]))
         if shell is not None:

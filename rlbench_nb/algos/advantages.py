@@ -1,16 +1,31 @@
 """Advantage estimators: pure tensor functions (no Ray, no I/O).
 
-Shapes: B sequences, T response tokens. `rewards_BT` holds token-level rewards (the verifier's score
-sits on the last response token; a KL penalty, if applied in the reward, on every token); `mask_BT`
+Shapes: B sequences, R response tokens. `rewards_BR` holds token-level rewards (the verifier's score
+sits on the last response token; a KL penalty, if applied in the reward, on every token); `mask_BR`
 is 1 on response tokens. Semantics follow the papers and verl's `core_algos.py`.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from .masked import masked_whiten
+
+
+def outcome_token_rewards(scores_B: torch.Tensor, mask_BR: torch.Tensor) -> torch.Tensor:
+    """Token-level rewards of an outcome score: each sequence's score on its last response token, zero
+    elsewhere (an empty response keeps it on position 0), in fp32."""
+    last_B = (mask_BR.sum(-1) - 1).clamp(min=0).long()
+    rewards_BR = torch.zeros(mask_BR.shape, dtype=torch.float32)
+    rewards_BR[torch.arange(len(scores_B)), last_B] = scores_B.float()
+    return rewards_BR
+
+
+def sequence_advantage(advantages_BR: torch.Tensor, mask_BR: torch.Tensor) -> torch.Tensor:
+    """One number per sample for tables and files: the mean advantage over its response tokens."""
+    mask = mask_BR.float()
+    return (advantages_BR * mask).sum(-1) / mask.sum(-1).clamp(min=1)
 
 
 def _group_index(group_ids: Sequence) -> tuple[torch.Tensor, int]:
@@ -56,48 +71,48 @@ def rloo_advantages(scores_B: torch.Tensor, group_ids: Sequence) -> torch.Tensor
     return adv
 
 
-def discounted_returns(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float) -> torch.Tensor:
+def discounted_returns(rewards_BR: torch.Tensor, mask_BR: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = r_t + gamma * G_{t+1}, restarted after the last valid token of each row."""
-    returns = torch.zeros_like(rewards_BT, dtype=torch.float32)
-    running = torch.zeros(rewards_BT.shape[0])
-    for t in reversed(range(rewards_BT.shape[1])):
-        running = rewards_BT[:, t] + gamma * running
+    returns = torch.zeros_like(rewards_BR, dtype=torch.float32)
+    running = torch.zeros(rewards_BR.shape[0])
+    for t in reversed(range(rewards_BR.shape[1])):
+        running = rewards_BR[:, t] + gamma * running
         returns[:, t] = running
-        running = running * mask_BT[:, t]
+        running = running * mask_BR[:, t]
     return returns
 
 
-def reinforce_pp_advantages(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+def reinforce_pp_advantages(rewards_BR: torch.Tensor, mask_BR: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     """REINFORCE++ (Hu 2025): discounted token returns, whitened across the whole batch."""
-    returns = discounted_returns(rewards_BT, mask_BT, gamma)
-    return masked_whiten(returns, mask_BT) * mask_BT
+    returns = discounted_returns(rewards_BR, mask_BR, gamma)
+    return masked_whiten(returns, mask_BR) * mask_BR
 
 
-def gae_advantages(rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor,
+def gae_advantages(rewards_BR: torch.Tensor, values_BR: torch.Tensor, mask_BR: torch.Tensor,
                    gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE (Schulman et al. 2016). Returns (advantages_BT whitened over the batch, returns_BT = A + V).
+    """GAE (Schulman et al. 2016). Returns (advantages_BR whitened over the batch, returns_BR = A + V).
 
     delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = delta_t + gamma * lam * A_{t+1}; padding tokens carry
     the next valid value and advantage through, as in verl.
     """
-    B, T = rewards_BT.shape
+    B, R = rewards_BR.shape
     next_value = torch.zeros(B)
     last_gae = torch.zeros(B)
     adv_rev = []
-    for t in reversed(range(T)):
-        m = mask_BT[:, t].float()
-        delta = rewards_BT[:, t] + gamma * next_value - values_BT[:, t]
+    for t in reversed(range(R)):
+        m = mask_BR[:, t].float()
+        delta = rewards_BR[:, t] + gamma * next_value - values_BR[:, t]
         gae_t = delta + gamma * lam * last_gae
-        next_value = values_BT[:, t] * m + (1 - m) * next_value
+        next_value = values_BR[:, t] * m + (1 - m) * next_value
         last_gae = gae_t * m + (1 - m) * last_gae
         adv_rev.append(last_gae)
     advantages = torch.stack(adv_rev[::-1], dim=1)
-    returns = advantages + values_BT
-    return masked_whiten(advantages, mask_BT) * mask_BT, returns
+    returns = advantages + values_BR
+    return masked_whiten(advantages, mask_BR) * mask_BR, returns
 
 
 # ---- registry: one calling convention for the controller ---------------------------------------
-AdvantageFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 ADVANTAGES: dict[str, AdvantageFn] = {}
 
 
@@ -109,30 +124,30 @@ def register(name: str):
 
 
 @register("grpo")
-def _grpo(rewards_BT, mask_BT, *, group_ids, values_BT=None, cfg):
-    adv_B = grpo_advantages(rewards_BT.sum(-1), group_ids, norm_by_std=cfg.norm_adv_by_std)
-    return adv_B[:, None] * mask_BT, None
+def _grpo(rewards_BR, mask_BR, *, group_ids, values_BR=None, cfg):
+    adv_B = grpo_advantages(rewards_BR.sum(-1), group_ids, norm_by_std=cfg.norm_adv_by_std)
+    return adv_B[:, None] * mask_BR, None
 
 
 @register("rloo")
-def _rloo(rewards_BT, mask_BT, *, group_ids, values_BT=None, cfg):
-    return rloo_advantages(rewards_BT.sum(-1), group_ids)[:, None] * mask_BT, None
+def _rloo(rewards_BR, mask_BR, *, group_ids, values_BR=None, cfg):
+    return rloo_advantages(rewards_BR.sum(-1), group_ids)[:, None] * mask_BR, None
 
 
 @register("reinforce_pp")
-def _reinforce_pp(rewards_BT, mask_BT, *, group_ids, values_BT=None, cfg):
-    return reinforce_pp_advantages(rewards_BT, mask_BT, cfg.gamma), None
+def _reinforce_pp(rewards_BR, mask_BR, *, group_ids, values_BR=None, cfg):
+    return reinforce_pp_advantages(rewards_BR, mask_BR, cfg.gamma), None
 
 
 @register("gae")
-def _gae(rewards_BT, mask_BT, *, group_ids, values_BT=None, cfg):
-    if values_BT is None:
+def _gae(rewards_BR, mask_BR, *, group_ids, values_BR=None, cfg):
+    if values_BR is None:
         raise ValueError("algo.advantage=gae needs critic values; the critic role did not run")
-    return gae_advantages(rewards_BT, values_BT, mask_BT, cfg.gamma, cfg.lam)
+    return gae_advantages(rewards_BR, values_BR, mask_BR, cfg.gamma, cfg.lam)
 
 
-def compute_advantages(name: str, rewards_BT, mask_BT, *, group_ids, values_BT=None, cfg):
-    """(advantages_BT, returns_BT or None) with the estimator registered under `name`."""
+def compute_advantages(name: str, rewards_BR, mask_BR, *, group_ids, values_BR=None, cfg):
+    """(advantages_BR, returns_BR or None) with the estimator registered under `name`."""
     if name not in ADVANTAGES:
         raise KeyError(f"unknown advantage estimator '{name}'; known: {sorted(ADVANTAGES)}")
-    return ADVANTAGES[name](rewards_BT.float(), mask_BT.float(), group_ids=group_ids, values_BT=values_BT, cfg=cfg)
+    return ADVANTAGES[name](rewards_BR.float(), mask_BR.float(), group_ids=group_ids, values_BR=values_BR, cfg=cfg)

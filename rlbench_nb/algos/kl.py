@@ -15,9 +15,9 @@ from .masked import masked_mean
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def kl_penalty(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+def kl_penalty(logprobs_BR: torch.Tensor, ref_logprobs_BR: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token KL estimate; k3 is clamped to [-10, 10] as in verl for numerical safety."""
-    diff = logprobs_BT - ref_logprobs_BT
+    diff = logprobs_BR - ref_logprobs_BR
     if estimator == "k1":
         return diff
     if estimator == "k2":
@@ -28,12 +28,19 @@ def kl_penalty(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, estimat
     raise ValueError(f"unknown KL estimator '{estimator}'; use one of {KL_ESTIMATORS}")
 
 
-def apply_kl_penalty(rewards_BT: torch.Tensor, logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor,
-                     mask_BT: torch.Tensor, coef: float, estimator: str) -> tuple[torch.Tensor, float]:
-    """KL as a reward penalty: r_t - coef * kl_t on response tokens. Returns (rewards_BT, mean per-seq KL)."""
-    kl = kl_penalty(logprobs_BT, ref_logprobs_BT, estimator) * mask_BT
-    current_kl = masked_mean(kl, mask_BT, dim=-1).mean().item()
-    return rewards_BT - coef * kl, current_kl
+def reference_kl(logprobs_BR: torch.Tensor, ref_logprobs_BR: torch.Tensor, mask_BR: torch.Tensor,
+                 estimator: str = "k3") -> tuple[torch.Tensor, float]:
+    """(per-token KL estimate, zero on padding; its mean per sequence, averaged over the batch). The second
+    is what a KL controller tracks (Ziegler et al. 2019 average the sequences' KL)."""
+    kl = kl_penalty(logprobs_BR, ref_logprobs_BR, estimator) * mask_BR
+    return kl, masked_mean(kl, mask_BR, dim=-1).mean().item()
+
+
+def apply_kl_penalty(rewards_BR: torch.Tensor, logprobs_BR: torch.Tensor, ref_logprobs_BR: torch.Tensor,
+                     mask_BR: torch.Tensor, coef: float, estimator: str) -> tuple[torch.Tensor, float]:
+    """KL as a reward penalty: r_t - coef * kl_t on response tokens. Returns (rewards_BR, mean per-seq KL)."""
+    kl, current_kl = reference_kl(logprobs_BR, ref_logprobs_BR, mask_BR, estimator)
+    return rewards_BR - coef * kl, current_kl
 
 
 class FixedKLController:

@@ -1,12 +1,10 @@
 """Policy, value and entropy losses and loss aggregation: pure tensor functions.
 
-Shapes: B sequences, T response tokens; `mask_BT` is 1 on response tokens. Semantics follow PPO
+Shapes: B sequences, T response tokens; `mask_BR` is 1 on response tokens. Semantics follow PPO
 (Schulman et al. 2017), dual-clip PPO (Ye et al. 2020), DAPO's clip-higher and token-mean (Yu et al. 2025)
 and verl's `core_algos.py`.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
@@ -15,8 +13,8 @@ from .masked import masked_mean
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
-def agg_loss(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str,
-             num_tokens: Optional[float] = None, num_seqs: Optional[float] = None) -> torch.Tensor:
+def agg_loss(loss_BR: torch.Tensor, mask_BR: torch.Tensor, mode: str,
+             num_tokens: float | None = None, num_seqs: float | None = None) -> torch.Tensor:
     """Reduce per-token losses to a scalar.
 
     token-mean:          sum of all token losses / number of tokens   (DAPO)
@@ -27,56 +25,56 @@ def agg_loss(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str,
     mini-batch makes the losses of its micro-batches (or data-parallel shards) add up exactly to the
     loss of the mini-batch.
     """
-    mask = mask_BT.to(loss_BT.dtype)
+    mask = mask_BR.to(loss_BR.dtype)
     if mode == "token-mean":
         denom = mask.sum() if num_tokens is None else num_tokens
-        return (loss_BT * mask).sum() / _positive(denom, loss_BT)
+        return (loss_BR * mask).sum() / _positive(denom, loss_BR)
     if mode == "seq-mean-token-sum":
-        per_seq = (loss_BT * mask).sum(-1)
+        per_seq = (loss_BR * mask).sum(-1)
     elif mode == "seq-mean-token-mean":
-        per_seq = (loss_BT * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        per_seq = (loss_BR * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     else:
         raise ValueError(f"unknown loss aggregation '{mode}'; use one of {LOSS_AGG_MODES}")
-    denom = loss_BT.shape[0] if num_seqs is None else num_seqs
-    return per_seq.sum() / _positive(denom, loss_BT)
+    denom = loss_BR.shape[0] if num_seqs is None else num_seqs
+    return per_seq.sum() / _positive(denom, loss_BR)
 
 
 def _positive(denom, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(denom, dtype=like.dtype).clamp(min=1e-8)
 
 
-def ppo_policy_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, advantages_BT: torch.Tensor,
-                    mask_BT: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
-                    dual_clip: Optional[float] = None) -> tuple[torch.Tensor, dict]:
+def ppo_policy_loss(logprobs_BR: torch.Tensor, old_logprobs_BR: torch.Tensor, advantages_BR: torch.Tensor,
+                    mask_BR: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
+                    dual_clip: float | None = None) -> tuple[torch.Tensor, dict]:
     """Per-token clipped surrogate loss: max(-A r, -A clip(r, 1-clip_low, 1+clip_high)).
 
     With `dual_clip=c` (c > 1), losses of tokens with A < 0 are further capped at -A c (Ye et al. 2020).
-    Returns (loss_BT, stats) with stats clip_frac, clip_frac_lower (dual clip) and approx_kl (k1 of old||new).
+    Returns (loss_BR, stats) with stats clip_frac, clip_frac_lower (dual clip) and approx_kl (k1 of old||new).
     """
-    log_ratio = (logprobs_BT - old_logprobs_BT).clamp(-20.0, 20.0)
+    log_ratio = (logprobs_BR - old_logprobs_BR).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
-    loss1 = -advantages_BT * ratio
-    loss2 = -advantages_BT * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss1 = -advantages_BR * ratio
+    loss2 = -advantages_BR * ratio.clamp(1 - clip_low, 1 + clip_high)
     clipped = torch.maximum(loss1, loss2)
     stats = {
-        "clip_frac": masked_mean((loss2 > loss1).float(), mask_BT).item(),
-        "approx_kl": masked_mean(-log_ratio, mask_BT).item(),
+        "clip_frac": masked_mean((loss2 > loss1).float(), mask_BR).item(),
+        "approx_kl": masked_mean(-log_ratio, mask_BR).item(),
     }
     if dual_clip is not None:
-        loss3 = -advantages_BT * dual_clip
+        loss3 = -advantages_BR * dual_clip
         capped = torch.minimum(clipped, loss3)
-        stats["clip_frac_lower"] = masked_mean(((clipped > loss3) & (advantages_BT < 0)).float(), mask_BT).item()
-        clipped = torch.where(advantages_BT < 0, capped, clipped)
+        stats["clip_frac_lower"] = masked_mean(((clipped > loss3) & (advantages_BR < 0)).float(), mask_BR).item()
+        clipped = torch.where(advantages_BR < 0, capped, clipped)
     return clipped, stats
 
 
-def value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT: torch.Tensor,
-               mask_BT: torch.Tensor, clip: float) -> tuple[torch.Tensor, dict]:
+def value_loss(values_BR: torch.Tensor, old_values_BR: torch.Tensor, returns_BR: torch.Tensor,
+               mask_BR: torch.Tensor, clip: float) -> tuple[torch.Tensor, dict]:
     """Per-token clipped value loss 0.5 * max((V - R)^2, (clip(V, V_old ± clip) - R)^2) (PPO2, verl)."""
-    clipped_values = old_values_BT + (values_BT - old_values_BT).clamp(-clip, clip)
-    l1 = (values_BT - returns_BT) ** 2
-    l2 = (clipped_values - returns_BT) ** 2
-    return 0.5 * torch.maximum(l1, l2), {"vf_clip_frac": masked_mean((l2 > l1).float(), mask_BT).item()}
+    clipped_values = old_values_BR + (values_BR - old_values_BR).clamp(-clip, clip)
+    l1 = (values_BR - returns_BR) ** 2
+    l2 = (clipped_values - returns_BR) ** 2
+    return 0.5 * torch.maximum(l1, l2), {"vf_clip_frac": masked_mean((l2 > l1).float(), mask_BR).item()}
 
 
 def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:

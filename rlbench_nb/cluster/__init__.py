@@ -1,11 +1,14 @@
-"""Where role workers run. `make_group(cfg, role, cls, ...)` picks the backend from `cfg.cluster.backend`."""
+"""Where role workers run. The backend is chosen here and only here, from `cfg.cluster.backend`:
+`make_group` builds a role's ranks, `reattach_group` finds a detached run's live ones, `find_run` looks a
+detached run up by name, `disconnect` stops an embedded cluster this process started."""
 from __future__ import annotations
 
 import os
 import sys
 
-from .errors import WorkerDiedError, WorkerError
-from .local import CallRecord, LocalWorkerGroup
+from .base import CallRecord, Pending, WorkerGroup
+from .errors import ClusterError, WorkerDiedError, WorkerError
+from .local import LocalWorkerGroup
 
 TRAINER_ROLES = ("policy", "reference", "critic")
 
@@ -33,6 +36,30 @@ def make_group(cfg, role: str, worker_cls, *args, name: str = "run", host=None):
         attach(cfg)
         return RayWorkerGroup(cfg, role, worker_cls, world_size_for(cfg, role), *args, name=name, host=host)
     return LocalWorkerGroup(role, worker_cls, *args)
+
+
+def reattach_group(cfg, role: str, name: str, host=None):
+    """The live ranks of `role` in a detached run named `name` (Ray only: local workers die with their process)."""
+    if cfg.cluster.backend != "ray":
+        raise ClusterError(f"run '{name}' uses cluster.backend={cfg.cluster.backend}: only Ray actors outlive "
+                           "their controller (cluster.backend=ray, cluster.detached=true)")
+    from .ray_backend import RayWorkerGroup
+    return RayWorkerGroup.reattach(cfg, role, world_size_for(cfg, role), name, host)
+
+
+def find_run(name: str, address: str | None, namespace: str) -> dict:
+    """What a detached run's policy actor recorded about itself (its run directory): connects to the Ray
+    cluster at `address` first."""
+    from .ray_backend import find_run as find
+    return find(name, address, namespace)
+
+
+def disconnect(cfg) -> None:
+    """Stop the embedded Ray this process started for `cfg` (nothing for the local backend or a cluster
+    someone else started)."""
+    if cfg.cluster.backend == "ray":
+        from .ray_backend import shutdown_if_ours
+        shutdown_if_ours()
 
 
 def host_role(cfg, role: str) -> str | None:

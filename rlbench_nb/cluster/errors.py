@@ -5,6 +5,8 @@ import os
 import traceback
 import types
 
+from ..errors import RLBenchError
+
 # Frames under these folders are libraries, not "the user's line".
 _LIBRARY_MARKERS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}", f"{os.sep}lib{os.sep}python3")
 
@@ -46,7 +48,11 @@ def memory_had() -> str:
     return text
 
 
-class WorkerError(RuntimeError):
+class ClusterError(RLBenchError, RuntimeError):
+    """The cluster cannot be reached, or cannot hold what the config asks for."""
+
+
+class WorkerError(RLBenchError, RuntimeError):
     """A worker call failed. `role`, `rank`, `method` say where; `frame` is the failing user line;
     `remote_traceback` is the full traceback from the worker's process (also for Ray actors)."""
 
@@ -57,11 +63,11 @@ class WorkerError(RuntimeError):
         where = f"\n  at {frame}" if frame else ""
         super().__init__(f"{role} rank {rank} failed in {method}(): {summary}{where}")
 
-    def __reduce__(self):
-        return (WorkerError, (self.role, self.rank, self.method, self.summary, self.frame, self.remote_traceback))
+    def __reduce__(self):  # type(self): a WorkerDiedError stays one across processes
+        return (type(self), (self.role, self.rank, self.method, self.summary, self.frame, self.remote_traceback))
 
     @classmethod
-    def from_exception(cls, role: str, rank: int, method: str, error: BaseException) -> "WorkerError":
+    def from_exception(cls, role: str, rank: int, method: str, error: BaseException) -> WorkerError:
         tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         summary = f"{type(error).__name__}: {error}"
         if is_out_of_memory(error):  # measured here, in the process that ran out

@@ -1,29 +1,19 @@
 """The `local` backend: every role in the controller's process (world size 1; pdb works).
 
-`WorkerGroup` is the controller's only handle on a role: N ranks of one worker class, with dispatch
-(broadcast, split-by-rank-and-concatenate, rank 0) and a record of each call for the phase timeline.
-Errors come back as `WorkerError` naming the role, rank and method.
+The same `WorkerGroup` surface as the Ray backend (cluster/base.py); a "submitted" call has already run
+when `submit_*` returns, since there is nothing to overlap it with. Errors come back as `WorkerError`
+naming the role, rank and method.
 """
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from ..data.batch import Batch
 from ..metrics.memory import memory_snapshot
+from .base import CallRecord, Pending
 from .errors import WorkerError
-
-
-@dataclass
-class CallRecord:
-    role: str
-    rank: int
-    method: str
-    start: float     # controller clock: the call was made ...
-    end: float       # ... and its result was back
-    work_s: float    # seconds inside the worker's method; end - start - work_s is the dispatch overhead
 
 
 class LocalWorkerGroup:
@@ -53,21 +43,19 @@ class LocalWorkerGroup:
         """Call `method` on every rank with the same arguments; a list of results by rank."""
         return [self._run(r, method, getattr(w, method), *args, **kwargs) for r, w in enumerate(self.workers)]
 
-    def submit(self, method: str, *args, **kwargs) -> list:
-        """In-process: runs now; `collect(handle)` returns the results."""
-        return self.call(method, *args, **kwargs)
+    def submit(self, method: str, *args, **kwargs) -> Pending:
+        """In-process: runs now; `collect(pending)` returns the results."""
+        return Pending(method, self.call(method, *args, **kwargs), time.perf_counter())
 
     def call_each(self, method: str, per_rank_args: list[tuple]) -> list:
         """Rank r gets `per_rank_args[r]`."""
-        return [self._run(r, method, getattr(w, method), *a) for r, (w, a) in enumerate(zip(self.workers, per_rank_args))]
+        return [self._run(r, method, getattr(w, method), *a)
+                for r, (w, a) in enumerate(zip(self.workers, per_rank_args))]
 
-    def submit_stored(self, method: str, *args, to=None, **kwargs) -> list:
-        """In-process: runs now; `stored(handle)` are the results, `collect(handle)` too."""
-        return self.call(method, *args, **kwargs)
-
-    @staticmethod
-    def stored(handle: list) -> list:
-        return handle
+    def submit_stored(self, method: str, *args, to=None, **kwargs) -> Pending:
+        """In-process: runs now; the results are `pending.stored`, and `collect(pending)` gives them too."""
+        results = self.call(method, *args, **kwargs)
+        return Pending(method, results, time.perf_counter(), stored=results)
 
     def call_rank0(self, method: str, *args, **kwargs) -> Any:
         return self._run(0, method, getattr(self.workers[0], method), *args, **kwargs)
@@ -78,12 +66,12 @@ class LocalWorkerGroup:
         return [self._run(r, method, getattr(w, method), p, *args, **kwargs)
                 for r, (w, p) in enumerate(zip(self.workers, parts))]
 
-    def submit_shards(self, method: str, batch: Batch, *args, **kwargs) -> list:
+    def submit_shards(self, method: str, batch: Batch, *args, **kwargs) -> Pending:
         """In-process there is nothing to overlap with: runs now; `collect` returns the results."""
-        return self.call_shards(method, batch, *args, **kwargs)
+        return Pending(method, self.call_shards(method, batch, *args, **kwargs), time.perf_counter())
 
-    def collect(self, handle: list) -> list:
-        return handle
+    def collect(self, pending: Pending) -> list:
+        return pending.handles
 
     def call_split(self, method: str, batch: Batch, *args, **kwargs) -> Batch:
         """`call_shards`, with the ranks' result batches concatenated back in order."""

@@ -15,15 +15,10 @@ import time
 from typing import Any
 
 from ..data.batch import Batch
-from .errors import OOM_KNOBS, WorkerDiedError, WorkerError, is_out_of_memory
-from .local import CallRecord
 from ..data.packed import PackedTensors
+from .base import CallRecord, Pending
+from .errors import OOM_KNOBS, ClusterError, WorkerDiedError, WorkerError, is_out_of_memory
 from .transport import SharedMemoryWriter, SharedTensors, pack
-
-
-class ClusterError(RuntimeError):
-    """The cluster cannot be reached, or cannot hold what the config asks for."""
-
 
 _STARTED_BY_US = False
 
@@ -55,6 +50,25 @@ def attach(cfg) -> dict:
     return ray.cluster_resources()
 
 
+def find_run(name: str, address: str | None, namespace: str) -> dict:
+    """The meta a detached run's policy rank 0 keeps (its run directory), connecting to `address` first."""
+    import ray
+    if not ray.is_initialized():
+        if address and address != "auto":
+            _check_reachable(address)
+        try:
+            ray.init(address=address, namespace=namespace, log_to_driver=False)
+        except (ConnectionError, RuntimeError) as e:
+            raise ClusterError(f"could not reach the Ray cluster at {address!r}: {str(e).splitlines()[0]}") from None
+    try:
+        policy0 = ray.get_actor(f"{name}/policy/0", namespace=namespace)
+    except ValueError:
+        live = sorted({a["name"].split("/")[0] for a in ray.util.list_named_actors(True)
+                       if a["namespace"] == namespace})
+        raise ClusterError(f"no run named '{name}' in Ray namespace '{namespace}' (live runs: {live})") from None
+    return ray.get(policy0.get_meta.remote())
+
+
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     import socket
     hostport = address.split("://", 1)[-1]
@@ -68,7 +82,7 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
                            "(`ray status` on the head), or unset cluster.address for an embedded cluster") from None
 
 
-def _lost_cluster_error() -> "ClusterError | None":
+def _lost_cluster_error() -> ClusterError | None:
     """A ClusterError when the cluster's head (GCS) no longer answers, else None."""
     import ray
     try:
@@ -122,6 +136,7 @@ class _WorkerActor:
 
     def address(self) -> tuple[str, int]:
         import socket
+
         import ray
         with socket.socket() as s:
             s.bind(("", 0))
@@ -194,7 +209,7 @@ class _WorkerActor:
 
 class RayWorkerGroup:
     def __init__(self, cfg, role: str, worker_cls, world_size: int, *args, name: str = "run",
-                 host: "RayWorkerGroup | None" = None):
+                 host: RayWorkerGroup | None = None):
         """`host`: run this role's ranks inside that group's actors (same processes, rank by rank)
         instead of actors of its own: `rollout.colocate`, the rollout engine next to the policy."""
         import ray
@@ -242,7 +257,7 @@ class RayWorkerGroup:
 
     @classmethod
     def reattach(cls, cfg, role: str, world_size: int, name: str,
-                 host: "RayWorkerGroup | None" = None) -> "RayWorkerGroup":
+                 host: RayWorkerGroup | None = None) -> RayWorkerGroup:
         """The group of live named actors '<name>/<role>/<rank>' (e.g. detached ones after a kernel restart),
         or of the role living in `host`'s actors."""
         import ray
@@ -309,21 +324,20 @@ class RayWorkerGroup:
     def _calls(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> list:
         return self.collect(self._submit(method, per_rank_args, kwargs))
 
-    def _submit(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> tuple:
+    def _submit(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> Pending:
         refs = [a.call.remote(self.role, method, *args, **kwargs) for a, args in zip(self.actors, per_rank_args)]
-        return method, refs, time.perf_counter()
+        return Pending(method, refs, time.perf_counter())
 
-    def submit_shards(self, method: str, batch: Batch, *args, **kwargs) -> tuple:
-        """Start `call_shards` without waiting; `collect(handle)` gives the results. Lets roles overlap."""
+    def submit_shards(self, method: str, batch: Batch, *args, **kwargs) -> Pending:
+        """Start `call_shards` without waiting; `collect(pending)` gives the results. Lets roles overlap."""
         return self._submit(method, [(p, *args) for p in batch.chunk(self.world_size)], kwargs)
 
-    def collect(self, handle: tuple) -> list:
-        method, refs, start = handle[:3]
-        out = self._get(refs, method)
+    def collect(self, pending: Pending) -> list:
+        out = self._get(pending.handles, pending.method)
         end = time.perf_counter()
         for rank, (_, mem, work_s) in enumerate(out):
             self.memory[rank] = mem
-            self.records.append(CallRecord(self.role, rank, method, start, end, work_s))
+            self.records.append(CallRecord(self.role, rank, pending.method, pending.start, end, work_s))
         del self.records[:-1000]
         return [res for res, _, _ in out]
 
@@ -332,17 +346,17 @@ class RayWorkerGroup:
         """The same arguments to every rank; each argument is stored once in the object store, not per rank."""
         return self.collect(self.submit(method, *args, **kwargs))
 
-    def submit(self, method: str, *args, **kwargs) -> tuple:
-        """`call` without waiting: `collect(handle)` gives the results."""
+    def submit(self, method: str, *args, **kwargs) -> Pending:
+        """`call` without waiting: `collect(pending)` gives the results."""
         import ray
         if self.world_size > 1:  # top-level ObjectRef arguments are resolved by Ray
             args = tuple(a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args)
         return self._submit(method, [args] * self.world_size, kwargs)
 
-    def submit_stored(self, method: str, *args, to: "RayWorkerGroup | None" = None, **kwargs) -> tuple:
-        """Start `method` on every rank, its results left in the object store; `stored(handle)` gives
+    def submit_stored(self, method: str, *args, to: RayWorkerGroup | None = None, **kwargs) -> Pending:
+        """Start `method` on every rank, its results left where they were made; `pending.stored` are
         references to pass to another role's call at once (Ray starts that call when the data is ready),
-        `collect(handle)` waits for the ranks' status. Weights go actor to actor, with no wait in between;
+        `collect(pending)` waits for the ranks' status. Weights go actor to actor, with no wait in between;
         through /dev/shm when every rank of `to` is on this group's rank-0 node."""
         nodes = {info.get("node") for info in (to.info.values() if to is not None else [])}
         if to is not None and to.actors == self.actors and self.world_size == 1:
@@ -353,11 +367,7 @@ class RayWorkerGroup:
             where = "store"
         calls = [a.call_stored.options(num_returns=2).remote(self.role, method, *args, where=where, **kwargs)
                  for a in self.actors]
-        return method, [status for _, status in calls], time.perf_counter(), [result for result, _ in calls]
-
-    @staticmethod
-    def stored(handle: tuple) -> list:
-        return handle[3]
+        return Pending(method, [status for _, status in calls], time.perf_counter(), [result for result, _ in calls])
 
     def call_each(self, method: str, per_rank_args: list[tuple]) -> list:
         """Rank r gets `per_rank_args[r]`."""

@@ -91,6 +91,6 @@ def _remove_stale_files() -> None:
             pass
 
 
-def pack(tensors: dict[str, torch.Tensor], shm: SharedMemoryWriter | None) -> "SharedTensors | PackedTensors":
+def pack(tensors: dict[str, torch.Tensor], shm: SharedMemoryWriter | None) -> SharedTensors | PackedTensors:
     """Shared memory when a writer is given and there is room, else the bytes."""
     return (shm.write(tensors) if shm is not None else None) or PackedTensors.pack(tensors)

@@ -2,23 +2,35 @@
 
 Tensors share the first dimension B (one row per sampled response); non-tensor fields (prompt text,
 answers, reward errors) ride along as lists of length B. A batch splits by data-parallel rank or
-micro-batch and concatenates back.
+micro-batch and concatenates back. Phases never change the batch they are given: they return a new one
+(`replace`) that shares the tensors they did not touch.
 
     b = Batch({"x_B": torch.arange(4)}, {"prompt": list("abcd")})
     left, right = b.chunk(2)
     assert Batch.cat([left, right])["prompt"] == list("abcd")
+
+Shape suffixes, one letter per axis, used the same way across the package (`algos/`, `roles/`, `ops/`):
+
+    B  rows of a batch: one sampled response each (prompts x rollout.n)
+    P  prompt tokens, left-padded
+    R  response tokens, right-padded (the axis of log-probs, advantages, values, masks)
+    T  whole-sequence tokens, P + R
+    V  vocabulary
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from html import escape
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 
 from .packed import PackedTensors
 
-# Fields shown in the text/HTML table, in this order, when present.
-_TABLE_FIELDS = ("prompt", "response", "answer", "score", "advantage", "response_len", "reward_error")
+# What people see (the batch's table, rollout files, the inspector) -> the batch field it comes from, in
+# this order. Dataset row fields (e.g. `answer`) are shown under their own names after `response`.
+SHOWN_FIELDS = {"prompt": "prompt", "response": "response", "reward": "scores_B", "advantage": "advantage",
+                "length": "response_len_B", "reward_error": "reward_error"}
 
 
 class Batch:
@@ -80,23 +92,23 @@ class Batch:
     def keys(self) -> list[str]:
         return list(self.tensors) + list(self.meta)
 
-    def only(self, *keys: str) -> "Batch":
+    def only(self, *keys: str) -> Batch:
         """The same rows with just these fields (and the info): what a worker needs, not all the batch."""
         return Batch({k: v for k, v in self.tensors.items() if k in keys},
                      {k: v for k, v in self.meta.items() if k in keys}, self.info)
 
     # ---- split / join ---------------------------------------------------------------------------
-    def select(self, index: Sequence[int] | torch.Tensor) -> "Batch":
+    def select(self, index: Sequence[int] | torch.Tensor) -> Batch:
         idx = torch.as_tensor(index, dtype=torch.long)
         ids = idx.tolist()
         return Batch({k: v[idx] for k, v in self.tensors.items()},
                      {k: [v[i] for i in ids] for k, v in self.meta.items()}, self.info)
 
-    def slice(self, start: int, stop: int) -> "Batch":
+    def slice(self, start: int, stop: int) -> Batch:
         return Batch({k: v[start:stop] for k, v in self.tensors.items()},
                      {k: v[start:stop] for k, v in self.meta.items()}, self.info)
 
-    def chunk(self, n: int) -> list["Batch"]:
+    def chunk(self, n: int) -> list[Batch]:
         """n contiguous parts whose sizes differ by at most one (the first ones larger)."""
         size, extra = divmod(len(self), n)
         bounds, start = [], 0
@@ -106,12 +118,12 @@ class Batch:
             start = stop
         return [self.slice(a, b) for a, b in bounds]
 
-    def split(self, size: int) -> list["Batch"]:
+    def split(self, size: int) -> list[Batch]:
         """Consecutive parts of at most `size` rows."""
         return [self.slice(i, min(i + size, len(self))) for i in range(0, len(self), size)]
 
     @staticmethod
-    def cat(batches: Iterable["Batch"]) -> "Batch":
+    def cat(batches: Iterable[Batch]) -> Batch:
         batches = [b for b in batches if len(b) or b.keys()]
         if not batches:
             return Batch()
@@ -123,27 +135,43 @@ class Batch:
         meta = {k: [x for b in batches for x in b.meta[k]] for k in first.meta}
         return Batch(tensors, meta, first.info)
 
-    def update(self, other: "Batch | dict") -> "Batch":
+    def update(self, other: Batch | dict) -> Batch:
         """Add or replace fields in place from another batch or dict of the same length; returns self."""
         items = other.tensors | other.meta if isinstance(other, Batch) else other
         for k, v in items.items():
             self[k] = v
         return self
 
-    def to(self, device) -> "Batch":
+    def replace(self, fields: Batch | dict | None = None, /, **more) -> Batch:
+        """A new batch with these fields added or replaced, leaving this one as it was. Untouched tensors
+        are shared, not copied; `info` is copied a level deep (its `metrics` dict included)."""
+        out = Batch(self.tensors, self.meta, {k: dict(v) if isinstance(v, dict) else v for k, v in self.info.items()})
+        out.update(fields or {})
+        return out.update(more)
+
+    def to(self, device) -> Batch:
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.meta, self.info)
 
     # ---- looking at it --------------------------------------------------------------------------
-    def rows(self, fields: Sequence[str] | None = None) -> list[dict]:
-        """One dict per sample of the scalar-per-row fields: what the inspector and rollout files show."""
-        fields = fields or [f for f in _TABLE_FIELDS if f in self] + \
-            [k for k in self.meta if k not in _TABLE_FIELDS]
+    def shown_fields(self) -> dict[str, str]:
+        """{shown name: batch field} for what this batch has: `SHOWN_FIELDS`, with the dataset row's fields
+        (`info["row_fields"]`) after the response."""
+        shown = {k: v for k, v in SHOWN_FIELDS.items() if v in self}
+        extra = {k: k for k in self.info.get("row_fields", ()) if k in self.meta and k not in shown}
+        order = ["prompt", "response", *extra, *[k for k in shown if k not in ("prompt", "response")]]
+        return {k: (extra | shown)[k] for k in order if k in extra or k in shown}
+
+    def rows(self, fields: dict[str, str] | Sequence[str] | None = None) -> list[dict]:
+        """One dict per sample, keyed by the names people see (`shown_fields`) or by `fields` (a list of
+        batch fields, or {name: field}); one-element tensors become numbers."""
+        fields = (self.shown_fields() if fields is None
+                  else fields if isinstance(fields, dict) else {f: f for f in fields})
         out = []
         for i in range(len(self)):
             row = {}
-            for f in fields:
+            for name, f in fields.items():
                 v = self[f][i]
-                row[f] = v.item() if torch.is_tensor(v) and v.numel() == 1 else v
+                row[name] = v.item() if torch.is_tensor(v) and v.numel() == 1 else v
             out.append(row)
         return out
 

@@ -10,14 +10,16 @@ from __future__ import annotations
 import json
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+
+from ..errors import RLBenchError
 
 log = logging.getLogger(__name__)
 
 
-class DatasetError(ValueError):
+class DatasetError(RLBenchError, ValueError):
     """No usable rows, or a file that cannot be read at all."""
 
 
@@ -97,7 +99,8 @@ def validate_rows(numbered: list[tuple[int, object]], prompt_key: str, max_promp
     if problems:
         log.warning("%s", ds.report())
     if not good:
-        raise DatasetError(f"{ds.report()} — no usable rows left; fix the file or data.prompt_key / data.max_prompt_len")
+        raise DatasetError(f"{ds.report()} — no usable rows left; "
+                           "fix the file or data.prompt_key / data.max_prompt_len")
     return ds
 
 

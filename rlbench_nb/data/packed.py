@@ -46,7 +46,7 @@ class PackedTensors:
         self.buffer, self.index = buffer, index
 
     @classmethod
-    def pack(cls, tensors: dict[str, torch.Tensor]) -> "PackedTensors":
+    def pack(cls, tensors: dict[str, torch.Tensor]) -> PackedTensors:
         index, size = layout(tensors)
         buffer = np.empty(size, dtype=np.uint8)
         write_into(tensors, index, buffer)

@@ -107,8 +107,8 @@ def chunk_tokens(vocab_size: int, budget_mb: float) -> int:
 
 def token_logprobs_entropy(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, ids_N: torch.Tensor,
                            temperature: float = 1.0, chunk_size: int = 1024):
-    """Log-prob of `ids_N` and entropy of softmax(hidden @ W.T / T), both [N] fp32 (fp64 for fp64 input), differentiable in
-    hidden and weight. Computes in `hidden_NH.dtype` (the weight is cast to it: under FSDP2's
+    """Log-prob of `ids_N` and entropy of softmax(hidden @ W.T / T), both [N] fp32 (fp64 for fp64 input),
+    differentiable in hidden and weight. Computes in `hidden_NH.dtype` (the weight is cast to it: under FSDP2's
     bf16 policy it already is) with fp32 reductions."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")

@@ -1,19 +1,19 @@
 """Critic worker (PPO): a value head on the policy's backbone, trained with the clipped value loss."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..algos import agg_loss, value_loss
+from ..checkpoint import load_tensors
 from ..config import Config
 from ..data.batch import Batch
 from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
-from ..checkpoint import load_tensors
 from .common import DTYPES, full_sequences, make_adamw, pick_device, read_safetensors, response_hidden_slice
+from .trainer import optimizer_steps
 
 
 class ValueModel(nn.Module):
@@ -28,7 +28,8 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids).last_hidden_state
         return self.head(h).squeeze(-1).float().clone()  # not a view: FSDP2's backward hooks need a fresh tensor
 
 
@@ -55,42 +56,23 @@ class CriticWorker:
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """{"values_BR": V(s_t) before each response token}, zeroed on padding."""
-        parts = [(self._values(mb).cpu() * mb["response_mask_BR"]) for mb in batch.split(self.cfg.train.micro_batch_size)]
+        parts = [(self._values(mb).cpu() * mb["response_mask_BR"])
+                 for mb in batch.split(self.cfg.train.micro_batch_size)]
         return Batch({"values_BR": torch.cat(parts)})
 
     def update(self, batch: Batch) -> dict:
-        a, t = self.cfg.algo, self.cfg.train
-        totals: dict[str, float] = {}
-        n = 0
-        for _ in range(t.epochs):
-            for mini in batch.chunk(t.mini_batches):
-                counts = {"num_tokens": dist_util.all_reduce_sum(mini["response_mask_BR"].float().sum()),
-                          "num_seqs": dist_util.all_reduce_sum(torch.tensor(float(len(mini))))}
-                world = dist_util.world_size()
-                self.optimizer.zero_grad(set_to_none=True)
-                loss_sum, clip_sum = 0.0, 0.0
-                for mb in mini.split(t.micro_batch_size):
-                    mask = mb["response_mask_BR"].float().to(self.device)
-                    vl_BR, st = value_loss(self._values(mb), mb["values_BR"].to(self.device),
-                                           mb["returns_BR"].to(self.device), mask, a.value_clip)
-                    loss = agg_loss(vl_BR, mask, a.loss_agg, **counts)
-                    if dist_util.all_reduce_sum(torch.tensor(0.0 if torch.isfinite(loss) else 1.0)) > 0:
-                        self.optimizer.zero_grad(set_to_none=True)
-                        break
-                    (loss * world).backward()
-                    loss_sum += loss.item()
-                    clip_sum += st["vf_clip_frac"] * (mask.sum() / counts["num_tokens"]).item()
-                else:
-                    gn = dist_util.local_scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip))
-                    if math.isfinite(gn):
-                        self.optimizer.step()
-                        n += 1
-                        loss_sum, clip_sum = dist_util.all_reduce_sum(
-                            torch.tensor([loss_sum, clip_sum], dtype=torch.float64)).tolist()
-                        for k, v in {"loss/value": loss_sum, "critic/vf_clip_frac": clip_sum,
-                                     "critic/grad_norm": gn}.items():
-                            totals[k] = totals.get(k, 0.0) + v
-        return {k: v / max(n, 1) for k, v in totals.items()}
+        """Epochs x mini-batches optimizer steps of the clipped value loss (roles/trainer.py); returns mean
+        stats, and `update/critic_skipped*` for steps a non-finite loss or gradient made it skip."""
+        return optimizer_steps(self.model, self.optimizer, batch, self.cfg.train, self._loss,
+                               grad_norm_key="critic/grad_norm", skip_key="update/critic_skipped")
+
+    def _loss(self, mb: Batch, counts: dict) -> tuple[torch.Tensor, dict]:
+        mask = mb["response_mask_BR"].float().to(self.device)
+        vl_BR, st = value_loss(self._values(mb), mb["values_BR"].to(self.device), mb["returns_BR"].to(self.device),
+                               mask, self.cfg.algo.value_clip)
+        loss = agg_loss(vl_BR, mask, self.cfg.algo.loss_agg, **counts)
+        share = (mask.sum() / counts["num_tokens"]).item()
+        return loss, {"loss/value": loss.item(), "critic/vf_clip_frac": st["vf_clip_frac"] * share}
 
     def save(self, path: str) -> None:
         """Every rank must be called (gathers when sharded); rank 0 writes."""

@@ -73,15 +73,6 @@ def load_full_model_state(model: torch.nn.Module, state: dict, sharded: bool) ->
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
-def save_model_dir(model, state: dict[str, torch.Tensor], path) -> None:
-    """A from_pretrained-loadable directory from a full state dict (written by the caller on rank 0)."""
-    from safetensors.torch import save_file
-    model.config.save_pretrained(str(path))
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(str(path))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
 def full_optimizer_state(model, optimizer, sharded: bool) -> dict:
     if not sharded:
         return optimizer.state_dict()

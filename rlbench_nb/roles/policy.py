@@ -5,19 +5,19 @@ actors. They take and return `Batch` objects holding one data-parallel shard.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
 from ..algos import agg_loss, kl_penalty, ppo_policy_loss
+from ..checkpoint import load_tensors
 from ..config import Config
 from ..data.batch import Batch
 from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
 from .common import DTYPES, load_causal_lm, make_adamw, pick_device, read_safetensors, rng_state, set_rng_state
-from ..checkpoint import load_tensors
 from .scorer import TokenScorer
+from .trainer import optimizer_steps
 
 
 class ReferenceWorker:
@@ -84,79 +84,34 @@ class PolicyWorker(ReferenceWorker):
         return super().compute_logprobs(batch, key)
 
     def update(self, batch: Batch, kl_coef: float) -> dict:
-        """Epochs x mini-batches optimizer steps on this batch; returns mean stats.
+        """Epochs x mini-batches optimizer steps on this batch (roles/trainer.py); returns mean stats, and
+        `update/skipped*` for steps a non-finite loss or gradient made it skip."""
+        return optimizer_steps(self.model, self.optimizer, batch, self.cfg.train,
+                               lambda mb, counts: self._loss(mb, counts, kl_coef),
+                               grad_norm_key="actor/grad_norm", skip_key="update/skipped")
 
-        Each mini-batch's loss is normalised by the mini-batch's token/sequence counts, so micro-batching
-        does not change the gradient. A non-finite loss or gradient skips that optimizer step (weights and
-        optimizer state untouched) and is counted in `update/skipped`.
-        """
-        t = self.cfg.train
-        totals: dict[str, float] = {}
-        n_steps = 0
-        skips = {"update/skipped_nonfinite_loss": 0, "update/skipped_nonfinite_grad": 0}
-        for _ in range(t.epochs):
-            for mini in batch.chunk(t.mini_batches):
-                stats = self._optimizer_step(mini, kl_coef)
-                if isinstance(stats, str):  # skipped: which number was not finite
-                    skips[f"update/skipped_nonfinite_{stats}"] += 1
-                    continue
-                n_steps += 1
-                for k, v in stats.items():
-                    totals[k] = totals.get(k, 0.0) + v
-        out = {k: v / max(n_steps, 1) for k, v in totals.items()}
-        out["update/skipped"] = sum(skips.values())
-        out.update(skips)
-        return out
-
-    def _optimizer_step(self, mini: Batch, kl_coef: float) -> dict | str:
-        """One optimizer step over `mini` (in micro-batches): its stats, or "loss" / "grad" when a
-        non-finite loss or gradient norm made it skip (weights and optimizer state untouched)."""
+    def _loss(self, mb: Batch, counts: dict, kl_coef: float) -> tuple[torch.Tensor, dict]:
+        """The clipped policy-gradient loss (+ entropy bonus, + KL loss) of a micro-batch, as its share
+        of the mini-batch's loss; and its share of each statistic."""
         a = self.cfg.algo
-        # denominators of the whole mini-batch across ranks: shards' losses then add up to the global loss
-        counts = {"num_tokens": dist_util.all_reduce_sum(mini["response_mask_BR"].float().sum()),
-                  "num_seqs": dist_util.all_reduce_sum(torch.tensor(float(len(mini))))}
-        world = dist_util.world_size()  # FSDP averages gradients over ranks; scale back to a sum
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        for mb in mini.split(self.cfg.train.micro_batch_size):
-            mask = mb["response_mask_BR"].float().to(self.device)
-            weight = mask.sum() / counts["num_tokens"]  # share of this micro-batch in the token-mean stats
-            lp, ent = self._forward(mb, with_entropy=True)
-            # without old log-probs (algo.reuse_logprobs) the policy is the one that sampled: ratio 1
-            old = mb["old_logprobs_BR"].to(self.device) if "old_logprobs_BR" in mb else lp.detach()
-            pg_BR, pg_stats = ppo_policy_loss(lp, old,
-                                              mb["advantages_BR"].to(self.device), mask,
-                                              a.clip_low, a.clip_high, a.dual_clip)
-            pg_loss = agg_loss(pg_BR, mask, a.loss_agg, **counts)
-            loss = pg_loss
-            ent_loss = agg_loss(ent, mask, a.loss_agg, **counts)
-            if a.entropy_coef > 0:
-                loss = loss - a.entropy_coef * ent_loss
-            if kl_coef > 0 and a.kl_in == "loss":
-                kl_BR = kl_penalty(lp, mb["ref_logprobs_BR"].to(self.device), a.kl_estimator)
-                kl_loss = agg_loss(kl_BR, mask, a.loss_agg, **counts)
-                loss = loss + kl_coef * kl_loss
-                sums["loss/kl"] = sums.get("loss/kl", 0.0) + kl_loss.item()
-            # every rank must take the same branch: FSDP's backward is a collective
-            if dist_util.all_reduce_sum(torch.tensor(0.0 if torch.isfinite(loss) else 1.0)) > 0:
-                self.optimizer.zero_grad(set_to_none=True)
-                return "loss"
-            (loss * world).backward()
-            sums["loss/policy"] = sums.get("loss/policy", 0.0) + pg_loss.item()
-            sums["entropy"] = sums.get("entropy", 0.0) + ent_loss.item()
-            for k, v in pg_stats.items():
-                sums[f"actor/{k}"] = sums.get(f"actor/{k}", 0.0) + v * weight.item()
-        grad_norm = dist_util.local_scalar(
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip))
-        if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            return "grad"
-        self.optimizer.step()
-        keys = sorted(sums)  # shards' contributions -> the mini-batch's values, the same on every rank
-        totals = dist_util.all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
-        out = dict(zip(keys, totals.tolist()))
-        out["actor/grad_norm"] = grad_norm
-        return out
+        mask = mb["response_mask_BR"].float().to(self.device)
+        share = (mask.sum() / counts["num_tokens"]).item()  # of the token-mean statistics
+        lp, ent = self._forward(mb, with_entropy=True)
+        # without old log-probs (algo.reuse_logprobs) the policy is the one that sampled: ratio 1
+        old = mb["old_logprobs_BR"].to(self.device) if "old_logprobs_BR" in mb else lp.detach()
+        pg_BR, pg_stats = ppo_policy_loss(lp, old, mb["advantages_BR"].to(self.device), mask,
+                                          a.clip_low, a.clip_high, a.dual_clip)
+        pg_loss = agg_loss(pg_BR, mask, a.loss_agg, **counts)
+        ent_loss = agg_loss(ent, mask, a.loss_agg, **counts)
+        loss = pg_loss - a.entropy_coef * ent_loss if a.entropy_coef > 0 else pg_loss
+        stats = {"loss/policy": pg_loss.item(), "entropy": ent_loss.item(),
+                 **{f"actor/{k}": v * share for k, v in pg_stats.items()}}
+        if kl_coef > 0 and a.kl_in == "loss":
+            kl_loss = agg_loss(kl_penalty(lp, mb["ref_logprobs_BR"].to(self.device), a.kl_estimator), mask,
+                               a.loss_agg, **counts)
+            loss = loss + kl_coef * kl_loss
+            stats["loss/kl"] = kl_loss.item()
+        return loss, stats
 
     # ---- weights and state ----------------------------------------------------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:
@@ -173,7 +128,7 @@ class PolicyWorker(ReferenceWorker):
         if dist_util.rank() == 0:
             path = Path(path)
             path.mkdir(parents=True, exist_ok=True)
-            dist_util.save_model_dir(self.model, state, path)
+            self.model.save_pretrained(str(path), state_dict=state)  # config, generation config, safetensors
             torch.save({"optimizer": optim, "rng": rng_state()}, path / "trainer_state.pt")
 
     def load(self, path: str) -> None:

@@ -78,7 +78,8 @@ class TokenScorer(nn.Module):
         cache.batch_select_indices(copy_of)
         # response tokens 0..R-2 predict tokens 1..R-1; positions continue after each prompt's real tokens
         pos = prompt_mask_BP.sum(-1, keepdim=True) + torch.arange(R - 1, device=prompt_ids_BP.device)
-        resp = dec(input_ids=response_ids_BR[:, :-1], attention_mask=torch.cat([prompt_mask_BP, response_mask_BR[:, :-1]], 1),
+        resp = dec(input_ids=response_ids_BR[:, :-1],
+                   attention_mask=torch.cat([prompt_mask_BP, response_mask_BR[:, :-1]], 1),
                    position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state
         return torch.cat([last_prompt_BH[:, None], resp], dim=1)
 

@@ -77,7 +77,7 @@ class Dashboard:
             buttons.append(b)
         self.buttons = buttons
         self.widget = W.VBox([W.HBox([self.status, *buttons]), self.figure, self.timeline])
-        session._listeners.append(self._on_step)
+        self._unsubscribe = session.on_step(self._on_step)
         self.refresh(force=True)
 
     # ---- drawing --------------------------------------------------------------------------------
@@ -130,7 +130,8 @@ class Dashboard:
         if not records:
             return []
         updates = sorted(r.end for r in records if r.role == "policy" and r.method == "update")
-        since = updates[-self.timeline_steps - 1] if len(updates) > self.timeline_steps else min(r.start for r in records)
+        since = (updates[-self.timeline_steps - 1] if len(updates) > self.timeline_steps
+                 else min(r.start for r in records))
         recent = [r for r in records if r.end >= since]
         t0 = min(r.start for r in recent)
         return [{"lane": f"{r.role}/{r.rank}", "method": r.method, "start": r.start - t0, "duration": r.end - r.start}
@@ -163,7 +164,8 @@ class Dashboard:
             parts.append(f"held-out acc {s.evals[-1]['eval/accuracy']:.3f}")
         err = bg.error if bg is not None else None
         if err is not None:
-            parts.append(f"<span style='color:#cf222e'>{html.escape(type(err).__name__ + ': ' + str(err))[:300]}</span>")
+            parts.append("<span style='color:#cf222e'>"
+                         f"{html.escape(type(err).__name__ + ': ' + str(err))[:300]}</span>")
         return " · ".join(parts)
 
     def points(self) -> int:
@@ -171,8 +173,7 @@ class Dashboard:
         return sum(len(t.x or ()) for t in self.figure.data)
 
     def close(self) -> None:
-        if self._on_step in self.session._listeners:
-            self.session._listeners.remove(self._on_step)
+        self._unsubscribe()
         self.widget.close()
 
     def _ipython_display_(self):

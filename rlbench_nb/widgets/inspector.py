@@ -12,33 +12,28 @@ import json
 import operator
 from pathlib import Path
 
+from ..errors import UsageError
+
 OPS = {"==": operator.eq, "!=": operator.ne, ">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le,
        "contains": lambda a, b: str(b) in str(a)}
 COLUMNS = ("prompt", "response", "reward", "advantage", "length", "reward_error")
 TOKEN_FIELDS = {"log-prob": "old_logprobs_BR", "KL to reference": None, "advantage": "advantages_BR"}
 
 
+def _table_row(i: int, shown: dict) -> dict:
+    """One inspector row from a sample keyed by the names people see (`Batch.rows()`, rollout files)."""
+    return {"index": i, **{c: shown.get(c, "" if c in ("prompt", "response") else None) for c in COLUMNS}}
+
+
 def _rows_from_batch(batch) -> list[dict]:
-    n = len(batch)
-    get = lambda k, i, d=None: (batch[k][i] if k in batch else d)
-    rows = []
-    for i in range(n):
-        score = get("scores_B", i)
-        length = get("response_len_B", i)
-        rows.append({"index": i, "prompt": get("prompt", i, ""), "response": get("response", i, ""),
-                     "reward": None if score is None else float(score),
-                     "advantage": get("advantage", i), "length": None if length is None else int(length),
-                     "reward_error": get("reward_error", i)})
-    return rows
+    return [_table_row(i, r) for i, r in enumerate(batch.rows())]
 
 
 def _rows_from_file(path: Path) -> list[dict]:
     rows = []
     for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
         r = json.loads(line)  # data, not code: JSON only
-        rows.append({"index": i, "prompt": r.get("prompt", ""), "response": r.get("response", ""),
-                     "reward": r.get("scores_B"), "advantage": r.get("advantage"), "length": r.get("response_len_B"),
-                     "reward_error": r.get("reward_error")})
+        rows.append(_table_row(i, r))
     return rows
 
 
@@ -63,19 +58,19 @@ class Inspector:
         self._widget = None
 
     # ---- the model (testable without a browser) --------------------------------------------------
-    def add_filter(self, column: str, op: str, value) -> "Inspector":
+    def add_filter(self, column: str, op: str, value) -> Inspector:
         if column not in COLUMNS + ("index",):
-            raise ValueError(f"unknown column '{column}'; use one of {COLUMNS}")
+            raise UsageError(f"unknown column '{column}'; use one of {COLUMNS}")
         if op not in OPS:
-            raise ValueError(f"unknown operator '{op}'; use one of {list(OPS)}")
+            raise UsageError(f"unknown operator '{op}'; use one of {list(OPS)}")
         self.filters.append((column, op, _coerce(value) if isinstance(value, str) and op != "contains" else value))
         return self._changed()
 
-    def clear_filters(self) -> "Inspector":
+    def clear_filters(self) -> Inspector:
         self.filters = []
         return self._changed()
 
-    def sort(self, column: str, descending: bool = False) -> "Inspector":
+    def sort(self, column: str, descending: bool = False) -> Inspector:
         self.sort_key, self.descending = column, descending
         return self._changed()
 
@@ -94,20 +89,20 @@ class Inspector:
     def token_colors(self, index: int, quantity: str = "log-prob") -> list[tuple[str, float]]:
         """(token text, value) for the response of sample `index`, value from `quantity`."""
         if self.batch is None or self.tokenizer is None:
-            raise ValueError("token views need a batch and a tokenizer (saved rollout files hold text only)")
+            raise UsageError("token views need a batch and a tokenizer (saved rollout files hold text only)")
         b = self.batch
         mask = b["response_mask_BR"][index].bool()
         ids = b["response_ids_BR"][index][mask].tolist()
         if quantity == "KL to reference":
             if "ref_logprobs_BR" not in b:
-                raise ValueError("this batch has no reference log-probs (algo.kl_coef is 0)")
+                raise UsageError("this batch has no reference log-probs (algo.kl_coef is 0)")
             values = (b["old_logprobs_BR"][index] - b["ref_logprobs_BR"][index])[mask]
         else:
             field = TOKEN_FIELDS.get(quantity)
             if field == "old_logprobs_BR" and field not in b:  # algo.reuse_logprobs: the sampler's are the same
                 field = "rollout_logprobs_BR"
             if field is None or field not in b:
-                raise ValueError(f"'{quantity}' is not in this batch; prepare() it first")
+                raise UsageError(f"'{quantity}' is not in this batch; prepare() it first")
             values = b[field][index][mask]
         return [(self.tokenizer.decode([t]), float(v)) for t, v in zip(ids, values.tolist())]
 
@@ -135,7 +130,7 @@ class Inspector:
                          f"border-radius:3px;font-family:monospace'>{html.escape(text)}</span>")
         return f"<div>{quantity}: {lo:.3f} … {hi:.3f}</div><div>{''.join(spans)}</div>"
 
-    def _changed(self) -> "Inspector":
+    def _changed(self) -> Inspector:
         if self._widget is not None:
             self._table.value = self.table_html()
         return self
@@ -163,7 +158,9 @@ class Inspector:
         clear.on_click(lambda _: self.clear_filters())
         sort.observe(lambda ch: self.sort(ch["new"], desc.value), names="value")
         desc.observe(lambda ch: self.sort(sort.value, ch["new"]), names="value")
-        show = lambda *_: setattr(tokens, "value", self.tokens_html(sample.value, quantity.value))
+        def show(*_):
+            tokens.value = self.tokens_html(sample.value, quantity.value)
+
         sample.observe(show, names="value")
         quantity.observe(show, names="value")
         show()

@@ -14,9 +14,17 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlbench_nb.algos import (ADVANTAGES, compute_advantages, gae_advantages, grpo_advantages,
-                              masked_mean, masked_var, masked_whiten, reinforce_pp_advantages,
-                              rloo_advantages)
+from rlbench_nb.algos import (
+    ADVANTAGES,
+    compute_advantages,
+    gae_advantages,
+    grpo_advantages,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
 from rlbench_nb.algos.advantages import discounted_returns
 
 EPS = 1e-6  # grpo_advantages' default eps (verl's epsilon)
@@ -317,7 +325,7 @@ def test_compute_advantages_dispatches_token_level_estimators():
     adv, ret = compute_advantages("reinforce_pp", rewards, mask, group_ids=[0, 1, 2], cfg=cfg)
     assert ret is None
     assert_close(adv, reinforce_pp_advantages(rewards, mask, 0.9))
-    adv, ret = compute_advantages("gae", rewards, mask, group_ids=[0, 1, 2], values_BT=values, cfg=cfg)
+    adv, ret = compute_advantages("gae", rewards, mask, group_ids=[0, 1, 2], values_BR=values, cfg=cfg)
     exp_adv, exp_ret = gae_advantages(rewards, values, mask, 0.9, 0.7)
     assert_close(adv, exp_adv)
     assert_close(ret, exp_ret)
@@ -329,4 +337,4 @@ def test_compute_advantages_errors():
     with pytest.raises(KeyError, match="unknown advantage estimator"):
         compute_advantages("ppo2", r, m, group_ids=[0, 0], cfg=_cfg())
     with pytest.raises(ValueError, match="critic"):
-        compute_advantages("gae", r, m, group_ids=[0, 0], values_BT=None, cfg=_cfg())
+        compute_advantages("gae", r, m, group_ids=[0, 0], values_BR=None, cfg=_cfg())

@@ -8,8 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlbench_nb.algos import (AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty,
-                              make_kl_controller)
+from rlbench_nb.algos import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty, make_kl_controller
 
 
 # ---------------------------------------------------------------- estimators

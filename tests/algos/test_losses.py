@@ -122,7 +122,7 @@ def test_agg_loss_unknown_mode():
 
 
 def _ref_agg(loss, mask, mode):
-    rows = [[l for l, m in zip(lr, mr) if m > 0] for lr, mr in zip(loss.tolist(), mask.tolist())]
+    rows = [[v for v, m in zip(lr, mr) if m > 0] for lr, mr in zip(loss.tolist(), mask.tolist())]
     if mode == "token-mean":
         toks = [x for r in rows for x in r]
         return sum(toks) / len(toks)

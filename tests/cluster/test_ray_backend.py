@@ -10,6 +10,8 @@ import rlbench_nb as rl
 from rlbench_nb.cluster import WorkerDiedError, WorkerError
 from rlbench_nb.metrics import read_jsonl
 
+from ..conftest import assert_rollout_holds_policy_weights
+
 ray = pytest.importorskip("ray")
 
 RAY = ["cluster.backend=ray", "run.tensorboard=false", "cluster.num_threads=1"]
@@ -29,13 +31,22 @@ def _comparable(row):
 
 
 def test_two_fsdp_ranks_match_one_rank(ray_cluster, small_cfg):
-    """Same global batch: 2 FSDP2 ranks and 1 rank give the same losses and the same updated weights."""
+    """Same global batch: 2 FSDP2 ranks and 1 rank give the same losses and the same updated weights.
+
+    Tolerances: the ranks' sums run in another order (reduce-scatter vs one sum), ~1e-6 relative. But
+    each update takes 2 optimizer steps (2 mini-batches), and Adam's steps move a weight by ~lr whatever
+    its gradient's size, so a gradient entry below that rounding noise moves its weight by +-lr either way;
+    everything computed after the first optimizer step (mini-batch 2, step 2) inherits that. Metrics get
+    1e-3 relative (seen: 1.2e-4; a rank on the wrong rows is off by >1e-2), and the weights' difference must
+    stay under 2% of how far they moved (a real mismatch moves them as far as the update itself)."""
     results = {}
     for ranks in (1, 2):
         # whole sequences on both sides: the shared-prompt-prefix forward (one rank only) rounds differently
-        sess = rl.Session(small_cfg(*RAY, f"cluster.train_ranks={ranks}", "algo.kl_coef=0.05", "train.share_prompt_prefix=false",
-                                    "train.mini_batches=2", "train.micro_batch_size=4"))
+        sess = rl.Session(small_cfg(*RAY, f"cluster.train_ranks={ranks}", "algo.kl_coef=0.05",
+                                    "train.share_prompt_prefix=false", "train.mini_batches=2",
+                                    "train.micro_batch_size=4"))
         assert sess.groups["policy"].world_size == ranks
+        start = sess.groups["policy"].call("get_weights")[0]
         rows = [sess.step() for _ in range(2)]
         results[ranks] = ([_comparable(r) for r in rows], sess.groups["policy"].call("get_weights")[0])
         if ranks == 2:  # the policy really is sharded: each rank holds half of a layer's weight
@@ -43,11 +54,12 @@ def test_two_fsdp_ranks_match_one_rank(ray_cluster, small_cfg):
             assert shards[0]["model.layers.0.mlp.up_proj.weight"][0][0] * 2 == 256
         sess.close()
     (rows1, w1), (rows2, w2) = results[1], results[2]
+    assert rows1[0]["reward/mean"] == rows2[0]["reward/mean"]  # the same samples
     for a, b in zip(rows1, rows2):
-        assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
+        assert a == pytest.approx(b, rel=1e-3, abs=1e-6)
     assert w1.keys() == w2.keys()
     for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], rtol=1e-5, atol=1e-6)
+        assert (w1[k] - w2[k]).norm() <= 0.02 * (w1[k] - start[k]).norm() + 1e-7, k
 
 
 def test_bf16_fsdp_keeps_fp32_master_shards_and_trains_like_one_process(ray_cluster, small_cfg):
@@ -72,9 +84,12 @@ def test_bf16_fsdp_keeps_fp32_master_shards_and_trains_like_one_process(ray_clus
 
 def test_rollout_changes_after_sync_and_not_before(ray_cluster, small_cfg):
     sess = rl.Session(small_cfg(*RAY, "train.lr=1e-2"))
-    probe = sess._encode(sess.test_data.rows[:16], 1, "probe")
+    probe = sess.prompts.encode(sess.test_data.rows[:16], 1, "probe")
     greedy = sess.cfg.rollout.model_copy(update={"temperature": 0.0})
-    generate = lambda: sess.groups["rollout"].call_split("generate", probe, greedy)["rollout_logprobs_BR"]
+
+    def generate():
+        return sess.groups["rollout"].call_split("generate", probe, greedy)["rollout_logprobs_BR"]
+
     before = generate()
     batch = sess.prepare(sess.score(sess.rollout()))
     sess.groups["policy"].call_shards("update", batch, 0.0)   # update without the sync
@@ -110,14 +125,18 @@ def test_dead_worker_is_named_and_the_role_restarts(ray_cluster, small_cfg):
     with pytest.raises(WorkerDiedError, match=r"rollout rank 0 failed in generate\(\): the worker process died"):
         sess.rollout()
     sess.restart("rollout")
-    assert sess.step()["reward/mean"] >= 0 and sess.step_count == 3
+    assert_rollout_holds_policy_weights(sess)  # the new engine got the current weights
+    sess.step()
+    assert sess.step_count == 3
 
     os.kill(sess.groups["policy"].info[1]["pid"], signal.SIGKILL)
     with pytest.raises(WorkerError, match=r"policy rank [01] failed in compute_logprobs"):
         sess.step()
     sess.restart("policy")  # from the latest checkpoint: the whole session goes back to step 1
-    assert sess.step_count == 1
-    assert sess.step()["reward/mean"] >= 0 and sess.step_count == 2
+    assert sess.step_count == 1 and [r["step"] for r in sess.history] == [1]
+    assert_rollout_holds_policy_weights(sess)
+    sess.step()
+    assert sess.step_count == 2
     sess.close()
 
 
@@ -127,9 +146,12 @@ def test_colocated_rollout_lives_in_the_policy_process(ray_cluster, small_cfg):
     sess = rl.Session(small_cfg(*RAY, "rollout.colocate=true", "train.lr=1e-2", "cluster.call_timeout_s=60"))
     policy, rollout = sess.groups["policy"], sess.groups["rollout"]
     assert rollout.actors == policy.actors and rollout.info[0]["pid"] == policy.info[0]["pid"]
-    probe = sess._encode(sess.test_data.rows[:16], 1, "probe")
+    probe = sess.prompts.encode(sess.test_data.rows[:16], 1, "probe")
     greedy = sess.cfg.rollout.model_copy(update={"temperature": 0.0})
-    generate = lambda: sess.groups["rollout"].call_split("generate", probe, greedy)["rollout_logprobs_BR"]
+
+    def generate():
+        return sess.groups["rollout"].call_split("generate", probe, greedy)["rollout_logprobs_BR"]
+
     before = generate()
     row = sess.step()
     assert row["sync/bytes"] > 2_000_000 and row["update/skipped"] == 0
@@ -146,7 +168,9 @@ def test_colocated_rollout_lives_in_the_policy_process(ray_cluster, small_cfg):
     pid = sess.groups["policy"].info[0]["pid"]
     assert pid != policy.info[0]["pid"] and sess.groups["rollout"].info[0]["pid"] == pid
     torch.testing.assert_close(generate(), after)
-    assert sess.step()["reward/mean"] >= 0 and sess.step_count == 2
+    sess.step()
+    assert sess.step_count == 2
+    assert_rollout_holds_policy_weights(sess)
     sess.close()
 
 
@@ -176,7 +200,7 @@ def test_async_run_overlaps_rollout_with_training(ray_cluster, small_cfg):
 def test_vllm_engine_inside_a_rollout_actor(ray_cluster, small_cfg):
     """One vllm.LLM per rollout actor: it samples what the trainer scores, and reloads weights in place."""
     sess = rl.Session(small_cfg(*RAY, "rollout.engine=vllm", "train.lr=3e-2"))
-    probe = sess._encode(sess.test_data.rows[:16], 4, "probe")
+    probe = sess.prompts.encode(sess.test_data.rows[:16], 4, "probe")
     probe.update(sess.groups["rollout"].call_split("generate", probe))
     trainer = sess.groups["policy"].call_split("compute_logprobs", probe)["old_logprobs_BR"]
     m = probe["response_mask_BR"].bool()
@@ -219,7 +243,7 @@ def test_run_on_failure_restore_survives_killed_and_hung_workers(ray_cluster, sm
             done.add(sess.step_count)
             role, rank, sig = faults[sess.step_count]
             os.kill(sess.groups[role].info[rank]["pid"], sig)
-    sess._listeners.append(inject)
+    sess.on_step(inject)
     summary = sess.run(8, progress=False, on_failure="restore")
     assert summary["steps"] == 8 and done == {3, 5, 6}
     run_dir = sess.run_dir

@@ -17,7 +17,7 @@ RAY_CLI = os.path.join(os.path.dirname(sys.executable), "ray")
 
 def ray_processes() -> list[str]:
     out = subprocess.run(["pgrep", "-af", "gcs_server|raylet|default_worker"], capture_output=True, text=True)
-    return [l for l in out.stdout.splitlines() if "pgrep" not in l]
+    return [line for line in out.stdout.splitlines() if "pgrep" not in line]
 
 
 def wait_no_ray_processes(timeout=30):
@@ -84,12 +84,13 @@ def test_killed_controller_reattaches_to_detached_actors(ray_head, tmp_path):
     after = json.loads(second_out.read_text())
     assert after["step"] == 3 and after["history"] == 3 and after["after_step"] == 4
     assert after["digest"] == before["digest"]  # the same weights, held by the same actors
-    rows = [json.loads(l) for l in open(os.path.join(before["run_dir"], "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(before["run_dir"], "metrics.jsonl"))]
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4]
 
 
 def test_attach_to_a_missing_run_is_clear(ray_head):
-    out = subprocess.run([sys.executable, "-c", "import rlbench_nb as rl; rl.Session.attach('nope', address=%r)" % ray_head],
+    out = subprocess.run([sys.executable, "-c",
+                          f"import rlbench_nb as rl; rl.Session.attach('nope', address={ray_head!r})"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "ClusterError: no run named 'nope' in Ray namespace 'rlbench-nb'" in out.stderr
@@ -143,7 +144,8 @@ def test_a_lost_cluster_is_a_clear_error_not_a_hang(ray_head, tmp_path):
     flag = tmp_path / "flag"
     proc = subprocess.Popen([sys.executable, "-c", LOSES_CLUSTER, str(flag), *SMALL, f"run.dir={tmp_path}",
                              "cluster.backend=ray", f"cluster.address={ray_head}", "cluster.call_timeout_s=30",
-                             "run.tensorboard=false"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "run.tensorboard=false"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     deadline = time.time() + 300
     while not (flag.exists() and flag.read_text() == "stepped"):
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.poll() else "slow"
@@ -191,8 +193,8 @@ def test_the_embedded_cluster_refuses_a_client_without_its_token(tmp_path):
             if "InvalidAuthToken" in line or "CONNECTED" in line or time.time() > deadline:
                 break
         intruder.kill()
-        assert any("Unauthenticated" in l and "InvalidAuthToken" in l for l in seen), "".join(seen)[-2000:]
-        assert not any(l.startswith("CONNECTED") for l in seen)
+        assert any("Unauthenticated" in entry and "InvalidAuthToken" in entry for entry in seen), "".join(seen)[-2000:]
+        assert not any(entry.startswith("CONNECTED") for entry in seen)
     finally:
         owner.kill()
         owner.wait()

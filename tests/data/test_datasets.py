@@ -35,7 +35,8 @@ def test_no_good_rows_is_an_error_naming_the_file(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text(json.dumps({"text": "a"}) + "\n")
     numbered, problems = read_rows(p)
-    with pytest.raises(DatasetError, match=r"bad.jsonl: 0 rows kept, 1 skipped \(row 1: missing field 'prompt'.*no usable rows"):
+    with pytest.raises(DatasetError,
+                       match=r"bad.jsonl: 0 rows kept, 1 skipped \(row 1: missing field 'prompt'.*no usable rows"):
         validate_rows(numbered, "prompt", 10, count_chars, str(p), problems)
     with pytest.raises(DatasetError, match="dataset file not found"):
         read_rows(tmp_path / "nope.jsonl")

@@ -12,8 +12,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlbench_nb.ops import naive_logprobs_entropy, token_logprobs_entropy
-from rlbench_nb.ops import triton_rows
+from rlbench_nb.ops import naive_logprobs_entropy, token_logprobs_entropy, triton_rows
 
 
 def _inputs(N=37, H=16, V=1000, dtype=torch.float64, seed=0):
@@ -99,7 +98,8 @@ TRITON_SCRIPT = textwrap.dedent("""
         want = _rows_backward_torch(logits.float() / T, ids, ref[2], ref[3], g_lp, g_ent) / T
         buf = logits.clone()
         triton_rows.backward(buf, ids, 1 / T, ref[2], ref[3], g_lp, g_ent)
-        torch.testing.assert_close(buf.float(), want.to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
+        torch.testing.assert_close(buf.float(), want.to(dtype).float(),
+                                   rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
     print("TRITON_OK")
 """)
 

@@ -1,7 +1,9 @@
 import math
 
 import pytest
+import torch
 
+from rlbench_nb.config import RewardConfig
 from rlbench_nb.data.batch import Batch
 from rlbench_nb.roles.reward import RewardWorker, load_reward_fn
 
@@ -39,7 +41,8 @@ def test_bad_samples_score_zero_with_the_error_and_the_rest_scores():
 def test_row_fields_reach_the_function_and_swap():
     seen = []
     w = RewardWorker(lambda prompt, response, answer: seen.append(answer) or 0.5)
-    assert w.score(batch())["scores_B"].tolist() == [0.5] * 5 and seen == ["2", "4", "6", "8", "10"]
+    # every row's own field (calls run concurrently: in any order)
+    assert w.score(batch())["scores_B"].tolist() == [0.5] * 5 and sorted(seen) == ["10", "2", "4", "6", "8"]
     w.set_fn(lambda prompt, response, **kw: len(response))
     assert w.score(batch())["scores_B"].tolist() == [1, 1, 1, 1, 2]
 
@@ -66,7 +69,7 @@ def test_a_hanging_call_is_cut_and_the_rest_still_score():
             release.wait(30)  # hangs (until the test lets it go)
         return float(response == answer)
 
-    w = RewardWorker(sometimes_hangs, timeout_s=0.3)
+    w = RewardWorker(sometimes_hangs, RewardConfig(timeout_s=0.3))
     t = time.perf_counter()
     out = w.score(batch())
     assert time.perf_counter() - t < 3
@@ -74,3 +77,96 @@ def test_a_hanging_call_is_cut_and_the_rest_still_score():
     assert "TimeoutError on sample 2" in out["reward_error"][2] and "reward.timeout_s=0.3s" in out["reward_error"][2]
     assert w.score(batch())["reward_error"][2] is not None  # and again next step, without waiting twice as long
     release.set()
+
+
+def _calls(n: int) -> Batch:
+    return Batch(meta={"prompt": [f"{i}+0=" for i in range(n)], "response": [str(i) for i in range(n)],
+                       "answer": [str(i) for i in range(n)]}, info={"row_fields": ["answer"]})
+
+
+def test_what_kills_a_process_costs_only_its_sample_under_process_isolation(tmp_path):
+    import os as _os
+    cwd = _os.getcwd()
+
+    def hostile(prompt, response, answer):
+        import ctypes
+        import os
+        import sys
+        if prompt == "1+0=":
+            sys.exit(3)
+        if prompt == "2+0=":
+            os._exit(1)
+        if prompt == "3+0=":
+            ctypes.string_at(0)  # segfault
+        if prompt == "4+0=":
+            bytearray(3 * 2**30)  # past reward.max_memory_gb
+        if prompt == "5+0=":
+            os.chdir("/")
+        if prompt == "6+0=":
+            import time
+            time.sleep(60)  # hangs: killed at the deadline
+        return float(response == answer) + (0.5 if os.getcwd() == "/" else 0.0)
+
+    w = RewardWorker(hostile, RewardConfig(isolation="process", timeout_s=5, max_memory_gb=1.5, processes=2))
+    try:
+        out = w.score(_calls(10))
+        scores, errors = out["scores_B"].tolist(), out["reward_error"]
+        assert scores == [1.0, 0.0, 0.0, 0.0, 0.0, 1.5, 0.0, 1.0, 1.0, 1.0]  # only 5 itself ran in "/"
+        assert "SystemExit on sample 1" in errors[1] and "ProcessDied on sample 2" in errors[2]
+        assert "ProcessDied on sample 3" in errors[3] and "MemoryError on sample 4" in errors[4]
+        assert "TimeoutError on sample 6" in errors[6]
+        assert [e is None for e in errors] == [True, False, False, False, False, True, False, True, True, True]
+        assert _os.getcwd() == cwd
+        again = w.score(_calls(2))  # the pool replaced what died and goes on
+        assert again["scores_B"].tolist() == [1.0, 0.0] and "SystemExit" in again["reward_error"][1]
+    finally:
+        w.close()
+
+
+def test_a_batch_of_hung_calls_costs_one_timeout_and_process_mode_leaves_no_thread_behind():
+    import threading
+    import time
+
+    def hangs(prompt, response, answer):
+        import time
+        time.sleep(60)
+
+    for isolation in ("thread", "process"):
+        w = RewardWorker(hangs, RewardConfig(isolation=isolation, timeout_s=1.0, concurrency=16))
+        threads = threading.active_count()
+        t0 = time.perf_counter()
+        out = w.score(_calls(16))
+        assert time.perf_counter() - t0 < 4, isolation  # one deadline for the batch, not 16 x 1 s
+        assert all("TimeoutError" in e for e in out["reward_error"])
+        if isolation == "process":
+            assert threading.active_count() == threads  # the hung calls died with their process
+        w.close()
+
+
+def test_numbers_of_every_kind_are_rewards_and_async_rewards_run_together():
+    import time
+
+    import numpy as np
+
+    values = [True, np.bool_(False), np.float32(0.25), np.int64(2), torch.tensor(0.5), torch.tensor([1.5])]
+    w = RewardWorker(lambda prompt, response, answer: values[int(response)])
+    assert w.score(_calls(6))["scores_B"].tolist() == [1.0, 0.0, 0.25, 2.0, 0.5, 1.5]
+
+    async def slow(prompt, response, answer):
+        import asyncio
+        await asyncio.sleep(0.5)
+        return float(response == answer)
+
+    for isolation in ("thread", "process"):
+        w = RewardWorker(slow, RewardConfig(isolation=isolation))
+        t0 = time.perf_counter()
+        out = w.score(_calls(20))
+        assert out["scores_B"].tolist() == [1.0] * 20 and time.perf_counter() - t0 < 4  # awaited together
+        w.close()
+
+
+def test_auto_isolation_runs_your_functions_in_processes_under_the_local_backend():
+    from rlbench_nb.data.tasks.arithmetic import verify
+    assert RewardWorker(verify, RewardConfig(), local_backend=True).isolation == "thread"  # the package's own
+    assert RewardWorker(picky, RewardConfig(), local_backend=True).isolation == "process"
+    assert RewardWorker(picky, RewardConfig(), local_backend=False).isolation == "thread"  # a Ray actor already

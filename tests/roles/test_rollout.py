@@ -8,7 +8,7 @@ import rlbench_nb as rl
 
 
 def _generate(sess, **params):
-    probe = sess._encode(sess.test_data.rows[:8], 4, "probe")
+    probe = sess.prompts.encode(sess.test_data.rows[:8], 4, "probe")
     return sess.groups["rollout"].call_split("generate", probe, sess.cfg.rollout.model_copy(update=params))
 
 
@@ -25,7 +25,7 @@ def test_truncated_sampling_records_the_truncated_distribution(small_cfg):
     torch.manual_seed(0)
     k2 = _generate(sess, top_k=2, temperature=1.0)
     m = k2["response_mask_BR"].bool()
-    k2.update(sess._encode(sess.test_data.rows[:8], 4, "probe"))
+    k2.update(sess.prompts.encode(sess.test_data.rows[:8], 4, "probe"))
     full = sess.groups["policy"].call_split("compute_logprobs", k2)["old_logprobs_BR"]
     assert torch.all(torch.isfinite(k2["rollout_logprobs_BR"][m]))
     assert torch.all(k2["rollout_logprobs_BR"][m] >= full[m] - 1e-5)
@@ -38,7 +38,7 @@ def test_engine_matches_hf_generate_and_drops_finished_rows(small_cfg):
     once per distinct prompt and a row stops being computed once it has sampled EOS."""
     sess = rl.Session(small_cfg("run.tensorboard=false", "rollout.max_new_tokens=6"))
     worker = sess.groups["rollout"].workers[0]
-    probe = sess._encode(sess.test_data.rows[:10], 3, "probe")  # 10 prompts x 3 copies
+    probe = sess.prompts.encode(sess.test_data.rows[:10], 3, "probe")  # 10 prompts x 3 copies
     greedy = sess.cfg.rollout.model_copy(update={"temperature": 0.0})
     rows_seen = []
     hook = worker.model.get_input_embeddings().register_forward_hook(lambda m, i, o: rows_seen.append(i[0].shape[0]))
@@ -57,7 +57,8 @@ def test_engine_matches_hf_generate_and_drops_finished_rows(small_cfg):
     torch.manual_seed(0)
     rows_seen.clear()
     hook = worker.model.get_input_embeddings().register_forward_hook(lambda m, i, o: rows_seen.append(i[0].shape[0]))
-    lengths = worker.generate(probe, sess.cfg.rollout.model_copy(update={"temperature": 3.0}))["response_mask_BR"].sum(-1)
+    lengths = worker.generate(
+        probe, sess.cfg.rollout.model_copy(update={"temperature": 3.0}))["response_mask_BR"].sum(-1)
     hook.remove()
     assert len(set(lengths.tolist())) > 1
     assert rows_seen == [10] + [int((lengths > t).sum()) for t in range(1, len(rows_seen))]

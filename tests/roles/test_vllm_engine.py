@@ -28,7 +28,7 @@ def vllm_session(tmp_path_factory, warm_start_cache):
 
 
 def _probe(sess, n_rows=40, n=1):
-    return sess._encode(sess.test_data.rows[:n_rows], n, "probe")
+    return sess.prompts.encode(sess.test_data.rows[:n_rows], n, "probe")
 
 
 def _greedy(sess):

@@ -7,9 +7,11 @@ from ..conftest import REPO, SMALL
 
 
 def test_background_run_in_a_kernel(tmp_path):
+    overrides = [*SMALL, f"run.dir={tmp_path}", "run.tensorboard=false", "data.batch_size=4", "rollout.n=2",
+                 "task.num_test=20"]
     cells = [
         "import asyncio, time, rlbench_nb as rl\n"
-        f"sess = rl.Session(rl.Config.load(None, {[*SMALL, f'run.dir={tmp_path}', 'run.tensorboard=false', 'data.batch_size=4', 'rollout.n=2', 'task.num_test=20']!r}))\n"
+        f"sess = rl.Session(rl.Config.load(None, {overrides!r}))\n"
         "dash = sess.dashboard(); dash.min_interval_s = 0.0\ndash",
         "run = sess.run(steps=200, background=True)\nprint('started', run.state)",
         # a busy, synchronous cell: the run goes on in its thread and the dashboard keeps redrawing
@@ -24,11 +26,11 @@ def test_background_run_in_a_kernel(tmp_path):
     out = {c.source.split("\n")[0]: "".join(o.get("text", "") for o in c.outputs) for c in nb.cells}
     text = "\n".join(out.values())
     assert "started running" in text
-    during = next(l for l in text.splitlines() if l.startswith("during")).split()
+    during = next(line for line in text.splitlines() if line.startswith("during")).split()
     s0, s1, r0, r1 = map(int, during[1:])
     assert s1 > s0 and r1 > r0, f"no progress while another cell ran: {during}"
-    paused = next(l for l in text.splitlines() if l.startswith("paused")).split()
+    paused = next(line for line in text.splitlines() if line.startswith("paused")).split()
     assert paused[1] == "paused" and paused[2] == paused[3], f"steps advanced while paused: {paused}"
-    stopped = next(l for l in text.splitlines() if l.startswith("stopped")).split()
+    stopped = next(line for line in text.splitlines() if line.startswith("stopped")).split()
     assert stopped[1] == "stopped" and int(stopped[2]) < 200
     assert int(stopped[2]) == int(stopped[3]) == int(stopped[4])  # every finished step is in the history

@@ -25,7 +25,8 @@ def test_dashboard_draws_every_panel_and_the_timeline(small_cfg):
     traces = {t.name: t for t in dash.figure.data}
     assert list(traces["mean"].x) == [2, 3] or list(traces["mean"].x) == [1, 3]  # decimated to ~max_points
     assert len(traces["greedy"].y) == 1 and len(traces["to reference"].y) >= 1
-    assert {"policy", "rollout", "reward", "reference"} <= {t.name for t in dash.figure.data if t.legendgroup == "memory"}
+    assert {"policy", "rollout", "reward", "reference"} <= {t.name for t in dash.figure.data
+                                                            if t.legendgroup == "memory"}
     lanes = {b["lane"] for b in dash.timeline_bars()}
     assert {"policy/0", "rollout/0", "reward/0", "reference/0"} <= lanes
     assert all(b["duration"] >= 0 and b["start"] >= 0 for b in dash.timeline_bars())

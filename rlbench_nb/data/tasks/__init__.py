@@ -1,9 +1,9 @@
 """Built-in offline tasks: everything needed to train with no download."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ...config import Config
 

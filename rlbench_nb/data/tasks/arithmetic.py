@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from ...config import ModelConfig, TaskConfig
+from ...config import ConfigError, ModelConfig, TaskConfig
 
 CHARS = "0123456789+-*= "
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
@@ -58,7 +58,7 @@ def make_split(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
     problems = [(a, op, b) for op in cfg.ops for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)]
     need = cfg.num_train + cfg.num_test
     if need > len(problems):
-        raise ValueError(f"task.num_train + task.num_test = {need} but only {len(problems)} distinct problems exist "
+        raise ConfigError(f"task.num_train + task.num_test = {need} but only {len(problems)} distinct problems exist "
                          f"with task.max_operand={cfg.max_operand}, task.ops='{cfg.ops}': lower them")
     random.Random(_SPLIT_SEED).shuffle(problems)
     rows = [{"prompt": f"{a}{op}{b}=", "answer": str(_answer(a, op, b))} for a, op, b in problems[:need]]

@@ -119,6 +119,10 @@ class HFRolloutWorker(RolloutWorker):
         self.weight_version = version
         return {"bytes": sum(v.numel() * v.element_size() for v in state.values())}
 
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """The engine's weights, on the CPU (to compare with the policy's)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
     def sleep(self) -> None:
         """Colocated mode: give the accelerator back to the trainers during the update (weights to host
         memory). A no-op on CPU."""

@@ -1,0 +1,110 @@
+"""The session's role table: which roles run and with what, their worker groups (built, found again
+after a controller restart, rebuilt after a failure, closed), and the policy -> rollout weight push.
+
+    workers = Workers(cfg, specs, name="arith-grpo")
+    workers.groups["policy"].call_split("compute_logprobs", batch)
+    workers.sync(version=1)          # push the policy's weights into every rollout rank
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..errors import UsageError
+from . import host_role, make_group, reattach_group
+from .base import WorkerGroup
+
+# role -> (worker class, constructor arguments): what `restart(role)` rebuilds from
+RoleSpecs = dict[str, tuple[type, tuple]]
+
+
+class Workers:
+    def __init__(self, cfg, specs: RoleSpecs, name: str, *, reattach: bool = False):
+        """`specs` in build order (a host role before the roles living in its processes). With `reattach`,
+        find the live actors of a detached run named `name` instead of starting new ones."""
+        self.cfg, self.specs, self.name = cfg, dict(specs), name
+        self.groups: dict[str, WorkerGroup] = {}
+        try:
+            for role, (cls, args) in self.specs.items():
+                self.groups[role] = (reattach_group(cfg, role, name, self.host_of(role)) if reattach else
+                                     make_group(cfg, role, cls, *args, name=name, host=self.host_of(role)))
+        except BaseException:
+            if not reattach:
+                self.close()  # no half-built session keeps actors alive
+            raise
+
+    def host_of(self, role: str) -> WorkerGroup | None:
+        """The group whose processes `role` lives in (rollout.colocate under Ray), or None."""
+        host = host_role(self.cfg, role)
+        return self.groups[host] if host else None
+
+    def __contains__(self, role: str) -> bool:
+        return role in self.groups
+
+    def __getitem__(self, role: str) -> WorkerGroup:
+        return self.groups[role]
+
+    def replace_args(self, role: str, *args: Any) -> None:
+        """New constructor arguments for `role` (e.g. a hot-swapped reward function): what a restart uses."""
+        cls, _ = self.specs[role]
+        self.specs[role] = (cls, args)
+
+    def restart(self, *roles: str) -> tuple[str, ...]:
+        """Close and rebuild these roles' workers (a role living in another's processes goes with them;
+        hosts are rebuilt before their guests). Returns the roles rebuilt, in order."""
+        for role in roles:
+            if role not in self.specs:
+                raise UsageError(f"unknown role '{role}'; this session has {list(self.specs)}")
+        roles = tuple(r for r in self.specs if r in roles or (host_role(self.cfg, r) or "") in roles)
+        for role in roles:
+            self.groups[role].close()
+            cls, args = self.specs[role]
+            self.groups[role] = make_group(self.cfg, role, cls, *args, name=self.name, host=self.host_of(role))
+        return roles
+
+    def close(self) -> None:
+        for g in list(self.groups.values())[::-1]:  # guests before their hosts
+            g.close()
+
+    # ---- weights: policy -> rollout ---------------------------------------------------------------
+    def rollout_sleeps(self) -> bool:
+        """rollout.colocate on an accelerator: the engine sleeps between rollout and weight sync (on a CPU
+        there is nothing to hand over, and two calls a step saved)."""
+        return self.cfg.rollout.colocate and any(i.get("device", "cpu") != "cpu"
+                                                 for i in self.groups["rollout"].info.values())
+
+    def start_sync(self, version: int) -> tuple:
+        """Start pushing the policy's full weights to every rollout rank (tagged `version`)."""
+        t0 = time.perf_counter()
+        policy, rollout = self.groups["policy"], self.groups["rollout"]
+        if self.rollout_sleeps():
+            rollout.call("wake_up")
+        # a collective when sharded: all ranks. Under Ray the rollout's call is queued on a reference to
+        # rank 0's result, so the bytes go policy -> rollout without a round trip through this process
+        pending = policy.submit_stored("get_weights", to=rollout)
+        return t0, pending, rollout.submit("set_weights", pending.stored[0], version)
+
+    def finish_sync(self, started: tuple, since: float | None = None) -> dict:
+        """Wait for the push; `sync/s` counts from its start, or from `since`."""
+        t0, pending, push = started
+        self.groups["policy"].collect(pending)  # first: when the policy failed, its own error names it
+        res = self.groups["rollout"].collect(push)
+        out = {"sync/s": time.perf_counter() - (since or t0), "sync/bytes": sum(r["bytes"] for r in res)}
+        for key in res[0].keys() - {"bytes"}:  # an engine's own timings (vLLM: write_s, reload_s), slowest rank
+            out[f"sync/{key}"] = max(r[key] for r in res)
+        return out
+
+    def sync(self, version: int) -> dict:
+        return self.finish_sync(self.start_sync(version))
+
+    # ---- looking at it ----------------------------------------------------------------------------
+    def table(self) -> list[tuple]:
+        """(role, rank, node, pid, device, RSS GB) per rank, from what the last calls reported."""
+        out = []
+        for role, g in self.groups.items():
+            for rank in range(g.world_size):
+                info, mem = g.info.get(rank, {}), g.memory.get(rank, {})
+                rss = mem.get("rss_gb")
+                out.append((role, rank, info.get("node", "?"), info.get("pid", "?"), info.get("device", "?"),
+                            "-" if rss is None else f"{rss:.2f}"))
+        return out

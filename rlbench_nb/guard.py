@@ -1,0 +1,116 @@
+"""Who may drive a session, and when: one phase at a time, from the thread that owns the session, and
+Ctrl-C that never lands half-way through a phase.
+
+    guard = SessionGuard()
+    with guard.phase("update", changes_state=True):   # refused if closed, needs re-sync, or owned elsewhere
+        ...
+
+A notebook user interrupts cells all the time. Inside `deferred_interrupts()` the first SIGINT is held
+until the block has finished, then raised as KeyboardInterrupt: the work already on its way (an optimizer
+step, a weight push, the step's bookkeeping) completes and is recorded. A second SIGINT raises at once,
+abandoning the block; the caller then knows its state may be half-changed.
+
+    with deferred_interrupts() as held:
+        do_the_phase()
+    # KeyboardInterrupt raised here if Ctrl-C came during the block (held.abandoned says whether twice)
+
+Only the main thread receives signals (Python's rule); elsewhere the block just runs. Blocks nest: an
+inner one inside an outer one holds nothing of its own (the outer one decides when to raise).
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from .errors import SessionStateError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Held:
+    count: int = 0
+
+    @property
+    def abandoned(self) -> bool:
+        return self.count >= 2
+
+
+class Abandoned(KeyboardInterrupt):
+    """A second Ctrl-C: the block was left half-way."""
+
+
+_active: list[Held] = []  # the outermost block's record, while one is open (main thread only)
+
+
+@contextmanager
+def deferred_interrupts(what: str = "the current phase"):
+    if threading.current_thread() is not threading.main_thread() or _active:
+        yield _active[0] if _active else Held()
+        return
+    held = Held()
+
+    def on_sigint(signum, frame):
+        held.count += 1
+        if held.count >= 2:
+            raise Abandoned(f"interrupted twice: {what} was abandoned half-way")
+        log.warning("interrupt: finishing %s first, so the session stays consistent (interrupt again to "
+                    "abandon it)", what)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    _active.append(held)
+    try:
+        yield held
+    finally:
+        _active.clear()
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if held.count:
+        raise KeyboardInterrupt(f"interrupted; {what} completed first")
+
+
+class SessionGuard:
+    """A session's state ('starting', 'ready', 'running', 'needs_resync', 'closed'), its owner thread while
+    a background run steps it, and the lock that lets one phase run at a time."""
+
+    def __init__(self):
+        self.state = "starting"
+        self.owner: int | None = None       # the background run's thread; phases from others are refused
+        self._lock = threading.RLock()
+
+    @contextmanager
+    def phase(self, what: str, changes_state: bool = False):
+        """Run a phase: refused (SessionStateError, saying what to do) when the session is closed, needs
+        re-synchronising, or is being stepped by a background run from another thread. Ctrl-C waits for
+        the phase to end; a second Ctrl-C abandons it, and after one that `changes_state` (an update, a
+        load) the workers may hold a half-applied step: the session then refuses phases until re-synced."""
+        if self.state == "closed":
+            raise SessionStateError(f"cannot {what}: the session is closed; start a new one, or "
+                                    "rl.Session.load(run_dir) to continue from its latest checkpoint")
+        if self.state == "needs_resync":
+            raise SessionStateError(f"cannot {what}: an interrupted update may have left the workers half-way "
+                                    "through a step; call sess.resync() to return to the latest checkpoint")
+        if self.owner is not None and self.owner != threading.get_ident():
+            raise SessionStateError(f"cannot {what} while a background run is stepping this session: "
+                                    "sess.stop() it (or sess.pause()) and wait for it to end, then try again")
+        with self._lock, deferred_interrupts(what):
+            try:
+                yield
+            except Abandoned:
+                if changes_state:
+                    self.state = "needs_resync"
+                raise
+
+    @contextmanager
+    def owned_by_this_thread(self):
+        """A background run's thread: phases from any other thread are refused until it ends."""
+        self.owner = threading.get_ident()
+        self.state = "running"
+        try:
+            yield
+        finally:
+            self.owner = None
+            if self.state == "running":
+                self.state = "ready"

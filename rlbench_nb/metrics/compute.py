@@ -1,0 +1,73 @@
+"""Metrics as functions of a phase's batch: the controller only collects them (as verl's
+`compute_data_metrics`). Keys are `group/name`; the README's table says what each means."""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+from ..algos import masked_mean
+from ..data.batch import Batch
+
+
+@contextmanager
+def timed(metrics: dict, key: str):
+    """metrics[key] = seconds spent in the block (also when it raises)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        metrics[key] = time.perf_counter() - t0
+
+
+def rollout_metrics(batch: Batch, seconds: float, max_new_tokens: int) -> dict:
+    lens = batch["response_mask_BR"].sum(-1).float()
+    return {"time/rollout_s": seconds,
+            "throughput/rollout_tok_s": lens.sum().item() / max(seconds, 1e-9),
+            "response_len/mean": lens.mean().item(), "response_len/max": lens.max().item(),
+            "response_len/min": lens.min().item(),
+            "response_len/clip_frac": (lens >= max_new_tokens).float().mean().item()}
+
+
+def reward_metrics(batch: Batch) -> dict:
+    scores = batch["scores_B"]
+    return {"reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
+            "reward/min": scores.min().item(), "reward/max": scores.max().item(),
+            "reward/errors": sum(1 for e in batch["reward_error"] if e)}
+
+
+def advantage_metrics(batch: Batch) -> dict:
+    adv, mask = batch["advantages_BR"], batch["response_mask_BR"].float()
+    out = {"advantage/mean": masked_mean(adv, mask).item(), "advantage/abs_max": (adv.abs() * mask).max().item()}
+    if "values_BR" in batch:
+        out["critic/values_mean"] = masked_mean(batch["values_BR"], mask).item()
+    return out
+
+
+def total_tokens(batch: Batch) -> float:
+    """Prompt + response tokens (padding excluded): the unit of trainer throughput."""
+    return (batch["prompt_mask_BP"].sum() + batch["response_mask_BR"].sum()).item()
+
+
+def throughput(batch: Batch, phase: str, seconds: float, passes: int = 1) -> dict:
+    """`throughput/<phase>_tok_s`: prompt + response tokens processed per second (x passes over the batch)."""
+    return {f"throughput/{phase}_tok_s": total_tokens(batch) * passes / max(seconds, 1e-9)}
+
+
+def mean_over_ranks(stats: list[dict]) -> dict:
+    """Each rank reports the same global numbers (all-reduced) or its share: their mean is the step's."""
+    keys = {k for s in stats for k in s}
+    return {k: sum(s.get(k, 0.0) for s in stats) / len(stats) for k in keys}
+
+
+def memory_metrics(groups: dict) -> dict:
+    """`memory/<role>_peak_gb`: peak RSS of the processes running each role, from the last calls' reports."""
+    return {f"memory/{role}_peak_gb": max((v["peak_rss_gb"] for v in g.memory.values()), default=0.0)
+            for role, g in groups.items()}
+
+
+def step_seconds(metrics: dict, wall_start: float | None) -> float:
+    """`time/step_s`: phases in sequence add up; an overlapped (async) step reports its wall time."""
+    if wall_start is not None:
+        return time.perf_counter() - wall_start
+    return sum(metrics.get(f"time/{p}_s", 0.0) for p in ("rollout", "score", "prepare", "update"))
+

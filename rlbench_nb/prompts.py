@@ -1,0 +1,65 @@
+"""Text <-> tokens for the controller: dataset rows into a prompt Batch, sampled tokens back into text.
+
+    codec = PromptCodec(tokenizer, cfg.data)
+    batch = codec.encode(rows, n=8, tag="s0")      # prompts repeated n times, left-padded; row fields ride along
+    batch = codec.decode(batch)                    # + "response" text and response_len_B
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import DataConfig
+from .data.batch import Batch
+
+# Fields the phases add to a batch. A dataset row may not use these names: its fields reach the reward
+# function as keyword arguments and would otherwise overwrite (or be overwritten by) the phases' own.
+RESERVED_FIELDS = frozenset({"prompt", "response", "group", "reward_error", "advantage", "score", "length"})
+
+
+class PromptCodec:
+    def __init__(self, tokenizer, data: DataConfig):
+        self.tokenizer = tokenizer
+        self.data = data
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """The prompt's token ids, wrapped in the tokenizer's chat template when it has one (data.chat_template)."""
+        tok = self.tokenizer
+        if self.data.chat_template and getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True)
+            return tok(text, add_special_tokens=False)["input_ids"]
+        return tok(prompt)["input_ids"]
+
+    def encode(self, rows: list[dict], n: int, tag: str) -> Batch:
+        """Rows repeated n times, prompts tokenised (once per row) and left-padded. Samples of one row share
+        a `group` id ('<tag>-<row>'); the rows' other fields ride along (`info["row_fields"]`)."""
+        ids = [x for r in rows for x in [self.prompt_ids(r["prompt"])] * n]
+        width = max(map(len, ids))
+        pad = self.tokenizer.pad_token_id
+        prompt_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+        prompt_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        meta = {"prompt": [r["prompt"] for r in rows for _ in range(n)],
+                "group": [f"{tag}-{i}" for i in range(len(rows)) for _ in range(n)]}
+        row_fields = sorted({k for r in rows for k in r} - {"prompt"})
+        for key in row_fields:
+            meta[key] = [r.get(key) for r in rows for _ in range(n)]
+        return Batch({"prompt_ids_BP": prompt_ids, "prompt_mask_BP": prompt_mask}, meta, {"row_fields": row_fields})
+
+    def decode(self, batch: Batch) -> Batch:
+        """A new batch with the responses as text (special tokens dropped) and their lengths in tokens."""
+        ids, mask = batch["response_ids_BR"], batch["response_mask_BR"]
+        text = [self.tokenizer.decode(ids[i][mask[i].bool()].tolist(), skip_special_tokens=True)
+                for i in range(len(batch))]
+        return batch.replace(response=text, response_len_B=mask.sum(-1))
+
+
+def generate_inputs(batch: Batch) -> Batch:
+    """What a rollout engine reads: the prompt tokens."""
+    return batch.only("prompt_ids_BP", "prompt_mask_BP")
+
+
+def reward_inputs(batch: Batch) -> Batch:
+    """What a reward function is given: prompt, response and the dataset row's fields."""
+    return batch.only("prompt", "response", *batch.info.get("row_fields", ()))

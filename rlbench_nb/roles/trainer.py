@@ -1,0 +1,72 @@
+"""The optimisation loop every trained role shares (policy and critic): epochs x mini-batches x
+micro-batches, with counts all-reduced across ranks, finite checks, clipping and skip accounting.
+
+A role supplies `loss_fn(micro_batch, counts) -> (loss, stats)`: the micro-batch's share of the
+mini-batch loss, normalised by the whole mini-batch's token and sequence `counts` (summed over ranks),
+so neither micro-batching nor sharding changes the gradient; and its share of each statistic, so they
+add up over micro-batches and ranks to the mini-batch's value.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from ..config import TrainConfig
+from ..data.batch import Batch
+from . import distributed as dist_util
+
+LossFn = Callable[[Batch, dict], tuple[torch.Tensor, dict]]
+
+
+def optimizer_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, t: TrainConfig,
+                    loss_fn: LossFn, *, grad_norm_key: str, skip_key: str) -> dict:
+    """`t.epochs` passes over `batch`, each `t.mini_batches` optimizer steps. Returns the mean of each
+    statistic over the steps taken (with `grad_norm_key`), and `skip_key` (steps skipped) with
+    `<skip_key>_nonfinite_loss` / `_grad` saying which number was not finite."""
+    totals: dict[str, float] = {}
+    taken = 0
+    skips = {f"{skip_key}_nonfinite_loss": 0, f"{skip_key}_nonfinite_grad": 0}
+    for _ in range(t.epochs):
+        for mini in batch.chunk(t.mini_batches):
+            stats = _optimizer_step(model, optimizer, mini, t, loss_fn, grad_norm_key)
+            if isinstance(stats, str):
+                skips[f"{skip_key}_nonfinite_{stats}"] += 1
+                continue
+            taken += 1
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v
+    out = {k: v / max(taken, 1) for k, v in totals.items()}
+    out[skip_key] = sum(skips.values())
+    out.update(skips)
+    return out
+
+
+def _optimizer_step(model, optimizer, mini: Batch, t: TrainConfig, loss_fn: LossFn, grad_norm_key: str) -> dict | str:
+    """One optimizer step over `mini`: its stats, or "loss" / "grad" when a non-finite loss or gradient
+    norm made it skip. Skipping leaves weights and optimizer state untouched, and every rank takes the
+    same branch (FSDP's backward and the optimizer step are collectives)."""
+    counts = {"num_tokens": dist_util.all_reduce_sum(mini["response_mask_BR"].float().sum()),
+              "num_seqs": dist_util.all_reduce_sum(torch.tensor(float(len(mini))))}
+    world = dist_util.world_size()  # FSDP averages gradients over ranks; the losses are shares of a sum
+    optimizer.zero_grad(set_to_none=True)
+    sums: dict[str, float] = {}
+    for mb in mini.split(t.micro_batch_size):
+        loss, stats = loss_fn(mb, counts)
+        if dist_util.all_reduce_sum(torch.tensor(0.0 if torch.isfinite(loss) else 1.0)) > 0:
+            optimizer.zero_grad(set_to_none=True)
+            return "loss"
+        (loss * world).backward()
+        for k, v in stats.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    grad_norm = dist_util.local_scalar(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip))
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return "grad"
+    optimizer.step()
+    keys = sorted(sums)  # shards' contributions -> the mini-batch's values, the same on every rank
+    totals = dist_util.all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
+    out = dict(zip(keys, totals.tolist()))
+    out[grad_norm_key] = grad_norm
+    return out

@@ -1,0 +1,152 @@
+"""What a notebook user relies on when re-running cells: phases leave their input alone, re-running one
+moves no hidden state, the session refuses what would interleave, and errors say what they are."""
+import pickle
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import rlbench_nb as rl
+from rlbench_nb.cluster.errors import WorkerDiedError
+
+from .conftest import REPO
+
+
+def _digest(batch: rl.Batch) -> tuple:
+    return ({k: v.clone() for k, v in batch.tensors.items()}, {k: list(v) for k, v in batch.meta.items()},
+            {k: dict(v) if isinstance(v, dict) else v for k, v in batch.info.items()})
+
+
+def _assert_unchanged(batch: rl.Batch, digest: tuple) -> None:
+    tensors, meta, info = digest
+    assert batch.tensors.keys() == tensors.keys() and all(torch.equal(batch.tensors[k], v) for k, v in tensors.items())
+    assert batch.meta == meta and batch.info == info
+
+
+def test_phases_return_a_new_batch_and_leave_their_input_as_it_was(small_cfg):
+    with rl.Session(small_cfg("run.tensorboard=false", "algo.kl_coef=0.05")) as sess:
+        rolled = sess.rollout()
+        before = _digest(rolled)
+        scored = sess.score(rolled)
+        _assert_unchanged(rolled, before)
+        assert "scores_B" in scored and "scores_B" not in rolled
+
+        @sess.reward
+        def zero(prompt, response, **_):
+            return 0.0
+
+        rescored = sess.score(scored)  # "old vs new" in a notebook: two different objects with two answers
+        assert scored["scores_B"].sum() > 0 and rescored["scores_B"].sum() == 0
+        before = _digest(rescored)
+        prepared = sess.prepare(rescored)
+        _assert_unchanged(rescored, before)
+        assert "advantages_BR" in prepared and "advantages_BR" not in rescored
+        before = _digest(prepared)
+        sess.update(prepared)
+        _assert_unchanged(prepared, before)
+        assert "advantages_BR" not in sess.score(prepared)  # re-scored: stale advantages are dropped
+
+
+def test_preparing_twice_moves_the_adaptive_kl_controller_once_per_step(small_cfg):
+    cfg = small_cfg("run.tensorboard=false", "algo.kl_coef=0.1", "algo.kl_ctrl=adaptive", "algo.target_kl=0.001",
+                    "algo.kl_horizon=10", "train.lr=1e-2")
+    with rl.Session(cfg) as sess:
+        sess.step()  # the policy moves away from the reference: KL > 0
+        batch = sess.score(sess.rollout())
+        value = sess.kl_ctrl.value
+        first, second = sess.prepare(batch), sess.prepare(batch)
+        assert sess.kl_ctrl.value == value  # re-running a prepare cell moves nothing
+        assert torch.equal(first["advantages_BR"], second["advantages_BR"])
+        sess.update(first)
+        # Ziegler et al.: value *= 1 + clip(kl / target - 1, +-0.2) * n / horizon, once
+        assert sess.kl_ctrl.value == pytest.approx(value * (1 + 0.2 * len(batch) / 10))
+
+
+def test_batch_table_shows_reward_length_and_advantage(small_cfg):
+    with rl.Session(small_cfg("run.tensorboard=false")) as sess:
+        batch = sess.prepare(sess.score(sess.rollout()))
+    row = batch.rows()[0]
+    assert list(row) == ["prompt", "response", "answer", "reward", "advantage", "length", "reward_error"]
+    assert row["reward"] == batch["scores_B"][0].item() and row["length"] == batch["response_len_B"][0].item()
+    header = batch._repr_html_().split("</tr>")[0]
+    assert all(f"<th>{c}</th>" in header for c in ("reward", "advantage", "length"))
+
+
+def test_a_non_finite_critic_loss_is_counted_and_stops_the_run_like_the_policys(small_cfg):
+    cfg = small_cfg("run.tensorboard=false", "algo.advantage=gae", "train.max_skipped_steps=2")
+    with rl.Session(cfg) as sess:
+        critic = sess.groups["critic"].workers[0]
+        before = {k: v.clone() for k, v in critic.model.state_dict().items()}
+        batch = sess.prepare(sess.score(sess.rollout()))
+        row = sess.update(batch.replace(returns_BR=torch.full_like(batch["returns_BR"], float("nan"))))
+        assert row["update/critic_skipped"] == 1 and row["update/critic_skipped_nonfinite_loss"] == 1
+        assert row["update/skipped"] == 0  # the policy's own step went ahead
+        assert all(torch.equal(v, critic.model.state_dict()[k]) for k, v in before.items())
+        batch = sess.prepare(sess.score(sess.rollout()))
+        with pytest.raises(rl.RLBenchError, match="the critic update was skipped 2 steps in a row"):
+            sess.update(batch.replace(returns_BR=torch.full_like(batch["returns_BR"], float("nan"))))
+
+
+def test_a_closed_session_and_a_background_run_refuse_phases(small_cfg):
+    with rl.Session(small_cfg("run.tensorboard=false")) as sess:
+        owned, release = threading.Event(), threading.Event()
+
+        def background():  # what a background run's thread holds while it steps
+            with sess.guard.owned_by_this_thread():
+                owned.set()
+                release.wait(30)
+
+        t = threading.Thread(target=background)
+        t.start()
+        owned.wait(30)
+        try:
+            for phase in (sess.rollout, sess.step, sess.save, sess.evaluate):
+                with pytest.raises(rl.SessionStateError, match="while a background run is stepping"):
+                    phase()
+        finally:
+            release.set()
+            t.join()
+        sess.rollout()  # the run ended: the cell works again
+    assert sess.state == "closed"
+    with pytest.raises(rl.SessionStateError, match="the session is closed"):
+        sess.rollout()
+    with pytest.raises(rl.SessionStateError, match="the session is closed"):
+        sess.save("after_close")
+    assert not (sess.run_dir / "checkpoints").exists()
+
+
+def test_on_step_subscribes_and_unsubscribes(small_cfg):
+    with rl.Session(small_cfg("run.tensorboard=false")) as sess:
+        seen = []
+        unsubscribe = sess.on_step(seen.append)
+        sess.step()
+        unsubscribe()
+        sess.step()
+        assert len(seen) == 1 and seen[0]["reward/mean"] == sess.history[0]["reward/mean"]
+        with pytest.raises(TypeError):
+            sess.run(1, False)  # flags are keyword-only
+
+
+def test_errors_share_one_base_and_keep_their_type_across_processes():
+    for cls in (rl.ConfigError, rl.CheckpointError, rl.DatasetError, rl.WorkerError, rl.ClusterError,
+                rl.SessionStateError, rl.BackgroundRunError):
+        assert issubclass(cls, rl.RLBenchError)
+    assert issubclass(rl.ConfigError, ValueError) and issubclass(rl.WorkerError, RuntimeError)
+    died = WorkerDiedError("policy", 1, "update", "the worker process died", "x.py:3: f()", "tb")
+    back = pickle.loads(pickle.dumps(died))
+    assert type(back) is WorkerDiedError and (back.role, back.rank, back.frame) == ("policy", 1, "x.py:3: f()")
+
+
+def test_the_cli_explains_its_own_errors_in_one_line_and_keeps_a_bugs_traceback(tmp_path):
+    typo = subprocess.run([sys.executable, "-m", "rlbench_nb.cli", "train", "configs/arith_grpo.yaml",
+                           "train.lrr=1"], capture_output=True, text=True, cwd=REPO)
+    assert typo.returncode == 2 and typo.stderr.strip().count("\n") == 0 and "did you mean 'train.lr'" in typo.stderr
+    broken = tmp_path / "broken.py"
+    broken.write_text("1 / 0\n\ndef reward(prompt, response, **row):\n    return 1.0\n")
+    bug = subprocess.run([sys.executable, "-m", "rlbench_nb.cli", "train", "configs/arith_grpo.yaml",
+                          f"reward.fn={broken}:reward", f"run.dir={tmp_path}"], capture_output=True, text=True,
+                         cwd=REPO)
+    assert bug.returncode == 1 and "Traceback (most recent call last)" in bug.stderr
+    assert "ZeroDivisionError" in bug.stderr
