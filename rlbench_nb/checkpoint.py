@@ -7,15 +7,19 @@
       policy/             model.safetensors (a from_pretrained-loadable directory) + trainer_state.pt
       critic/             value_model.safetensors + trainer_state.pt (PPO)
       rollout_state.pt    each rollout rank's sampling RNG
+      MANIFEST.json       size and sha256 of every file above
       COMPLETE            written last: a folder without it is an interrupted save
     RUN_DIR/checkpoints/latest   the name of the newest checkpoint
 
 Saves are atomic (a temporary sibling folder renamed into place: the previous checkpoint stays loadable
-whatever happens mid-save). Nothing in a checkpoint is unpickled as code: tensors-only files are loaded
-with `weights_only=True`.
+whatever happens mid-save; a failed save removes its temporary folder and says why — no space: how much
+is free). Loads verify the manifest first and name the file that does not match; from a run directory
+they fall back to the newest checkpoint that verifies, saying so. Nothing in a checkpoint is unpickled as
+code: tensors-only files are loaded with `weights_only=True`.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -25,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import RLBenchError
+from .errors import RLBenchError, disk_full, free_bytes
 
 if TYPE_CHECKING:
     from .session import Session
@@ -56,34 +60,44 @@ def save(sess: Session, name: str) -> Path:
         torch.save(groups["rollout"].call("get_state"), tmp / "rollout_state.pt")
 
     write_atomically(final, write)
+    sess.last_saved_step = controller["step"]
     return final
 
 
 def restore(sess: Session, path: Path) -> None:
-    """Bring `sess` to the checkpoint at `path` (a folder from `resolve`): trainer weights and optimizers,
-    the rollout engine's weights and RNG, the controller's state, the metrics history."""
+    """Bring `sess` to the checkpoint at `path` (a folder from `resolve`, so verified): trainer weights and
+    optimizers, the rollout engine's weights and RNG, the controller's state, the metrics history.
+    Everything that can be checked is checked before any worker is touched."""
+    from .config import Config
     groups = sess.workers.groups
     states = load_tensors(path / "rollout_state.pt")  # one per rollout rank
     if len(states) != groups["rollout"].world_size:
         raise CheckpointError(f"checkpoint {path} has {len(states)} rollout rank(s); this session has "
                               f"{groups['rollout'].world_size}: set cluster.rollout_ranks to match")
-    controller = json.loads((path / "controller.json").read_text())
+    controller = _read_json(path / "controller.json")
+    saved = Config.load(path / "config.yaml")
+    for section in ("model", "task"):  # what decides the weights' shapes
+        if getattr(saved, section) != getattr(sess.cfg, section):
+            raise CheckpointError(f"checkpoint {path} was saved with another '{section}' section than this "
+                                  f"session's: load it into a session made from its own config.yaml")
     groups["policy"].call("load", str(path / "policy"))
     if "critic" in groups:
         groups["critic"].call("load", str(path / "critic"))
     groups["rollout"].call_each("set_state", [(s,) for s in states])
     sess.load_controller_state(controller)
+    sess.last_saved_step = sess.step_count
     sess.workers.sync(version=sess.step_count)
 
 
-def load(path: str | Path, run_dir: str | Path | None = None, overrides=()) -> Session:
+def load(path: str | Path, run_dir: str | Path | None = None, overrides=(), take_over: bool = False) -> Session:
     """A new session from a checkpoint folder or a run directory (its latest checkpoint). It writes into
-    `run_dir` when given, else into the run directory the checkpoint belongs to."""
+    `run_dir` when given, else into the run directory the checkpoint belongs to (refused while another
+    live session writes that run, unless `take_over`)."""
     from .config import Config
     from .session import Session
     path = resolve(Path(path))
     cfg = Config.load(path / "config.yaml", overrides)
-    sess = Session(cfg, run_dir=Path(run_dir) if run_dir else path.parent.parent)
+    sess = Session(cfg, run_dir=Path(run_dir) if run_dir else path.parent.parent, take_over=take_over)
     try:
         restore(sess, path)
     except BaseException:
@@ -111,9 +125,22 @@ def write_atomically(final: Path, write: Callable[[Path], None]) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    write(tmp)
-    (tmp / "COMPLETE").write_text("ok")
+    try:
+        tmp.mkdir()
+        write(tmp)
+        (tmp / "MANIFEST.json").write_text(json.dumps(_manifest(tmp), indent=1))
+        (tmp / "COMPLETE").write_text("ok")
+    except BaseException as e:
+        written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if tmp.exists() else 0
+        full = isinstance(e, Exception) and disk_full(_root_cause(e), final.parent)  # before the space comes back
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial save must not keep the disk full
+        if full:
+            raise CheckpointError(
+                f"no space left to save checkpoint {final.name}: {written / 2**20:.1f} MiB were written before "
+                f"the disk filled ({free_bytes(final.parent) / 2**20:.1f} MiB free now, and a checkpoint of "
+                f"this run needs at least that much more). The partial save was removed; the previous checkpoint "
+                f"({_latest_name(final.parent)}) is untouched. Free space, then save again") from e
+        raise
     if final.exists():
         old = final.with_name(f".{final.name}.old{os.getpid()}")
         final.rename(old)
@@ -126,13 +153,66 @@ def write_atomically(final: Path, write: Callable[[Path], None]) -> None:
     latest_tmp.replace(final.parent / "latest")
 
 
+def _root_cause(e: BaseException) -> BaseException:
+    """A worker's error carries its cause's text; its own __cause__ chain ends at the OSError."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return e
+
+
+def _latest_name(folder: Path) -> str:
+    try:
+        return (folder / "latest").read_text().strip()
+    except OSError:
+        return "none yet"
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _manifest(folder: Path) -> dict:
+    """{relative path: {"bytes", "sha256"}} of every file in a checkpoint folder."""
+    return {str(f.relative_to(folder)): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+            for f in sorted(folder.rglob("*")) if f.is_file() and f.name not in ("MANIFEST.json", "COMPLETE")}
+
+
+def verify(path: Path) -> None:
+    """Check every file against MANIFEST.json (sizes first: cheap; then sha256): a CheckpointError names
+    the first file that is missing, truncated or changed."""
+    try:
+        manifest = json.loads((path / "MANIFEST.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} has no readable MANIFEST.json ({e}): it is incomplete or was "
+                              "written by an older rlbench-nb; load another one") from None
+    for name, want in manifest.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path} is damaged: {name} is missing")
+        if f.stat().st_size != want["bytes"]:
+            raise CheckpointError(f"checkpoint {path} is damaged: {name} has {f.stat().st_size} bytes, "
+                                  f"{want['bytes']} were saved (truncated?)")
+    for name, want in manifest.items():
+        if _sha256(path / name) != want["sha256"]:
+            raise CheckpointError(f"checkpoint {path} is damaged: {name} does not match its sha256 "
+                                  "(changed or corrupted since it was saved)")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+
+
 def load_tensors(path: Path, map_location=None):
     """torch.load with weights_only=True: tensors and plain containers only. A file that would run code
     when unpickled (or is not a torch file at all) is refused with the file named, and nothing runs."""
     import torch
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"refusing to load {path}: it is not a tensors-only file ({first}). Checkpoints "
                               "are loaded without executing pickled code; load an earlier checkpoint") from None
@@ -147,27 +227,49 @@ def _saved_ns(checkpoint: Path) -> int:
 
 
 def resolve(path: Path) -> Path:
-    """A checkpoint folder from a checkpoint path, a checkpoints/ folder or a run directory (-> latest).
+    """A verified checkpoint folder from a checkpoint path, a checkpoints/ folder or a run directory.
 
-    `latest` is updated right after a save's rename; a process killed in between leaves it naming the
-    previous checkpoint (or, if a checkpoint of the same name was being replaced, nothing). Either way the
-    checkpoint saved last (by its COMPLETE marker, written just before the rename) is used, with a warning."""
+    From a run directory (or checkpoints/): `latest`, updated right after a save's rename; a process
+    killed in between leaves it naming the previous checkpoint, so the checkpoint saved last (by its
+    COMPLETE marker, written just before the rename) wins. One that fails verification is passed over for
+    the newest one that verifies, with a warning naming the bad file. A checkpoint named directly must
+    verify itself: a CheckpointError says what is wrong and which other checkpoints there are."""
     path = Path(path)
     for candidate in (path, path / "checkpoints"):
         pointer = candidate / "latest"
         if pointer.is_file():
-            path = candidate / pointer.read_text().strip()
-            newer = [c for c in _complete(candidate) if _saved_ns(c) > pointer.stat().st_mtime_ns]
-            if newer or not path.exists():
-                last = max(newer or _complete(candidate), key=_saved_ns, default=None)
-                if last is not None and last != path:
-                    log.warning("checkpoints/latest names %s, but %s was saved after it (a save interrupted "
-                                "before it could update latest): using %s", path.name, last.name, last.name)
-                    path = last
-            break
+            return _newest_good(candidate, candidate / pointer.read_text().strip(), pointer.stat().st_mtime_ns)
     if not (path / "controller.json").exists():
         raise CheckpointError(f"no checkpoint at {path} (expected controller.json; give a checkpoint folder "
                               "or a run directory with checkpoints/latest)")
     if not (path / "COMPLETE").exists():
         raise CheckpointError(f"checkpoint {path} is incomplete (interrupted save?); load an earlier one")
+    try:
+        verify(path)
+    except CheckpointError as e:
+        others = sorted(p.name for p in _complete(path.parent) if p != path)
+        raise CheckpointError(f"{e}. Other checkpoints of this run: {others or 'none'}") from None
     return path.absolute()
+
+
+def _newest_good(folder: Path, named: Path, pointer_ns: int) -> Path:
+    # the one `latest` names, unless a later save finished without moving `latest`; then the others, newest first
+    complete = sorted(_complete(folder), key=_saved_ns, reverse=True)
+    newer = [c for c in complete if _saved_ns(c) > pointer_ns]
+    order = newer + [named] + [c for c in complete if c not in newer and c != named]
+    problems = []
+    for candidate in order:
+        if not (candidate / "COMPLETE").exists():
+            problems.append(f"{candidate.name}: missing or incomplete")
+            continue
+        try:
+            verify(candidate)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        if candidate != named or problems:
+            log.warning("checkpoints/latest names %s; using %s instead (%s)", named.name, candidate.name,
+                        "; ".join(problems) or f"{candidate.name} was saved after it, by a save interrupted "
+                        "before it could update latest")
+        return candidate.absolute()
+    raise CheckpointError(f"no checkpoint in {folder} verifies: " + "; ".join(problems))

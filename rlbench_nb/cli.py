@@ -67,22 +67,29 @@ def train(argv: list[str]) -> int:
         try:
             summary = sess.run(steps, progress=not args.quiet)
         except KeyboardInterrupt:
-            print(save_on_interrupt(sess), file=sys.stderr)
+            print(save_on_interrupt(sess, f"rlbench-nb train --resume {sess.run_dir}"), file=sys.stderr)
             return 130
     print("\n" + summary_table(summary))
     return 0
 
 
-def save_on_interrupt(sess) -> str:
+def save_on_interrupt(sess, resume_command: str) -> str:
     """Ctrl-C in a batch run: checkpoint where it stands (the interrupted step either completed or never
-    started) and say how to continue."""
-    where = sess.run_dir
+    started: phases hold Ctrl-C until they end) and say how to continue."""
     try:
         path = sess.save(f"step_{sess.step_count}")
     except Exception as e:  # noqa: BLE001 - the message says what is left
         return f"\ninterrupted at step {sess.step_count}; the checkpoint could not be written ({e})"
-    return (f"\ninterrupted at step {sess.step_count}: checkpoint saved in {path}\n"
-            f"continue with: rlbench-nb train --resume {where}")
+    return f"\ninterrupted at step {sess.step_count}: checkpoint saved in {path}\ncontinue with: {resume_command}"
+
+
+def save_live_sessions(resume_command: str) -> None:
+    """What an exported script does on Ctrl-C: save every open session (`{run_dir}` in the command is
+    replaced by each one's run directory), then exit 130."""
+    from .session import live_sessions
+    for sess in live_sessions():
+        print(save_on_interrupt(sess, resume_command.format(run_dir=sess.run_dir)), file=sys.stderr)
+    raise SystemExit(130)
 
 
 def export(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import RLBenchError
 
@@ -24,7 +24,9 @@ class ConfigError(RLBenchError, ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    # allow_inf_nan=False: an infinite learning rate or a NaN coefficient is a typo, never a setting
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
 
 
 class RunConfig(_Section):
@@ -44,6 +46,14 @@ class RunConfig(_Section):
     """Held-out greedy accuracy every K steps during run() (0: before and after only)."""
     tensorboard: bool = True
     """Write TensorBoard event files into the run directory."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, n: str) -> str:
+        if not n or n in (".", "..") or n.startswith(".") or "/" in n or "\\" in n:
+            raise ValueError("a plain folder name is needed (no path separators, not empty, not starting with "
+                             "'.'): the run directory is run.dir/run.name")
+        return n
 
 
 class ClusterConfig(_Section):
@@ -180,7 +190,7 @@ class AlgoConfig(_Section):
     """GAE / REINFORCE++ discount."""
     lam: float = Field(1.0, ge=0, le=1)
     """GAE lambda."""
-    clip_low: float = Field(0.2, ge=0)
+    clip_low: float = Field(0.2, ge=0, lt=1)
     """PPO ratio clip below 1 (epsilon_low)."""
     clip_high: float = Field(0.2, ge=0)
     """PPO ratio clip above 1 (epsilon_high; >clip_low is DAPO clip-higher)."""
@@ -328,9 +338,20 @@ class Config(_Section):
         if path is not None:
             path = _find(Path(path))
             try:
-                data = yaml.safe_load(path.read_text()) or {}
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason}): save it "
+                                  "as UTF-8") from None
+            if not text.strip():
+                raise ConfigError(f"config file {path} is empty: give the sections you change (an empty "
+                                  "file is more likely a failed copy than a wish for every default)")
+            try:
+                data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
             except yaml.YAMLError as e:
-                raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+                mark = getattr(e, "problem_mark", None)
+                where = f" (line {mark.line + 1})" if mark is not None else ""
+                problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+                raise ConfigError(f"config file {path} is not valid YAML: {problem}{where}") from None
             if not isinstance(data, dict):
                 raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
         return cls.from_dict(data, overrides)
@@ -383,6 +404,22 @@ def _find(path: Path) -> Path:
         if (parent / path).exists():
             return parent / path
     raise ConfigError(f"config file not found: {path} (looked in {Path.cwd()} and its parents)")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, except that a key given twice in one mapping (a section pasted twice) is an error
+    instead of the last one silently winning."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"'{key}' appears twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1}); "
+                    "merge the two into one")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
 
 
 def _deep_copy(d):

@@ -12,6 +12,10 @@ The subclasses live beside the code that raises them; the ones with no better ho
 """
 from __future__ import annotations
 
+import errno
+import shutil
+from pathlib import Path
+
 
 class RLBenchError(Exception):
     """A problem rlbench-nb detected and explained: the message names the thing and the fix."""
@@ -39,3 +43,32 @@ class UsageError(RLBenchError, ValueError):
 
 class NonFiniteError(RLBenchError, FloatingPointError):
     """Updates skipped for non-finite numbers train.max_skipped_steps steps in a row: the run stops."""
+
+
+class RunDirError(RLBenchError, OSError):
+    """A file of the run directory could not be written (no space, no permission): what and why."""
+
+
+def disk_full(error: BaseException, where: Path) -> bool:
+    """The file system refused bytes: no space (ENOSPC), over a size limit (EFBIG, EDQUOT) — said so by the
+    error or its text (a worker's error under Ray carries only the text) — or any write error while the
+    disk is all but full (torch.save's own wordings: "file write failed", "unexpected pos ...")."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return True
+    text = str(error)
+    return "No space left on device" in text or "File too large" in text or free_bytes(where) < 16 * 2**20
+
+
+def free_bytes(where: Path) -> int:
+    for p in (where, *where.parents):
+        if p.exists():
+            return shutil.disk_usage(p).free
+    return 0
+
+
+def write_failure(path: Path, error: BaseException) -> str:
+    """What went wrong writing `path`, in words a person acts on."""
+    if disk_full(error, path.parent):
+        return (f"could not write {path}: no space left on its file system ({free_bytes(path.parent) / 2**20:.1f} "
+                f"MiB free; {error}). Free some space (or point run.dir elsewhere) and continue")
+    return f"could not write {path}: {type(error).__name__}: {error}"

@@ -181,6 +181,8 @@ def to_script(path: str | Path) -> str:
     body = "\n\n".join(bodies) or "pass"
     setup = ("    args = _parse_args(argv)\n" +
              "".join(f"    {n} = args.{n}\n" for n in names))
+    resume = ('"python " + sys.argv[0] + " --resume {run_dir}"' if "resume" in names
+              else '"rl.Session.load(\'{run_dir}\') in Python"')
     if is_async:
         main = (f"async def _main_async(argv=None):\n{setup}\n{_indent(body)}\n\n\n"
                 "def main(argv=None):\n    asyncio.run(_main_async(argv))\n")
@@ -190,6 +192,7 @@ def to_script(path: str | Path) -> str:
 import argparse
 import asyncio
 import json
+import sys
 
 
 def display(*objs, **_):
@@ -225,7 +228,14 @@ def _parse_args(argv=None):
 {main}
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # a batch job stopped by hand: checkpoint the runs and say how to continue
+        try:
+            from rlbench_nb.cli import save_live_sessions
+        except ImportError:
+            raise SystemExit(130) from None
+        save_live_sessions({resume})
 '''
 
 

@@ -81,15 +81,16 @@ class SessionGuard:
         self._lock = threading.RLock()
 
     @contextmanager
-    def phase(self, what: str, changes_state: bool = False):
+    def phase(self, what: str, changes_state: bool = False, repairs: bool = False):
         """Run a phase: refused (SessionStateError, saying what to do) when the session is closed, needs
-        re-synchronising, or is being stepped by a background run from another thread. Ctrl-C waits for
-        the phase to end; a second Ctrl-C abandons it, and after one that `changes_state` (an update, a
-        load) the workers may hold a half-applied step: the session then refuses phases until re-synced."""
+        re-synchronising (unless this phase `repairs` it: a load or restart), or is being stepped by a
+        background run from another thread. Ctrl-C waits for the phase to end; a second Ctrl-C abandons
+        it, and after one that `changes_state` (an update, a load) the workers may hold a half-applied
+        step: the session then refuses phases until re-synced."""
         if self.state == "closed":
             raise SessionStateError(f"cannot {what}: the session is closed; start a new one, or "
                                     "rl.Session.load(run_dir) to continue from its latest checkpoint")
-        if self.state == "needs_resync":
+        if self.state == "needs_resync" and not repairs:
             raise SessionStateError(f"cannot {what}: an interrupted update may have left the workers half-way "
                                     "through a step; call sess.resync() to return to the latest checkpoint")
         if self.owner is not None and self.owner != threading.get_ident():
@@ -102,6 +103,8 @@ class SessionGuard:
                 if changes_state:
                     self.state = "needs_resync"
                 raise
+            if repairs and self.state == "needs_resync":
+                self.state = "ready"
 
     @contextmanager
     def owned_by_this_thread(self):

@@ -11,10 +11,6 @@ import torch
 from .config import DataConfig
 from .data.batch import Batch
 
-# Fields the phases add to a batch. A dataset row may not use these names: its fields reach the reward
-# function as keyword arguments and would otherwise overwrite (or be overwritten by) the phases' own.
-RESERVED_FIELDS = frozenset({"prompt", "response", "group", "reward_error", "advantage", "score", "length"})
-
 
 class PromptCodec:
     def __init__(self, tokenizer, data: DataConfig):
@@ -22,6 +18,13 @@ class PromptCodec:
         self.data = data
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
+
+    @property
+    def max_chars_per_token(self) -> int:
+        """The longest token's length in characters: a text of N characters has at least N / this tokens."""
+        if not hasattr(self, "_max_chars"):
+            self._max_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
+        return self._max_chars
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """The prompt's token ids, wrapped in the tokenizer's chat template when it has one (data.chat_template)."""

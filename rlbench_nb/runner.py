@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_RESTORES = 3  # on_failure="restore": rebuilds per run() call before the failure is raised
+MAX_RESTORES = 3  # on_failure="restore": rebuilds in a row without getting past the step that failed
 
 
 class RunControl:
@@ -58,44 +58,33 @@ def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, on_failu
     """Train for `steps` steps past the session's current step; evaluate before (once per session) and
     after; write summary.json and return it. See `Session.run` for the options."""
     from tqdm.auto import tqdm
-    cfg = sess.cfg
     t0 = time.time()
-    start, target, restores = sess.step_count, sess.step_count + steps, 0
+    start, target, restores, failed_at = sess.step_count, sess.step_count + steps, 0, -1
     before = sess.evals[0] if sess.evals else sess.evaluate()
     bar = tqdm(total=steps, desc="train", disable=not progress, dynamic_ncols=True)
     pending = None  # async: the next batch's rollout, started before this step's update
     try:
-        while sess.step_count < target:
-            if control is not None and not control.proceed():
-                break  # stopped at a step boundary: the summary below is still written
+        while True:  # until done; a worker failure anywhere (step, evaluation, save) restores and goes on
             try:
-                if not async_rollout:
-                    row = sess.step()
-                else:
-                    t_step = time.perf_counter()
-                    batch = sess._finish_rollout(pending or sess._start_rollout())
-                    batch.info.update(off_policy=True, wall_start=t_step)
-                    # queued before this update's weight push: generated with the weights of this step
-                    pending = sess._start_rollout() if sess.step_count + 1 < target else None
-                    row = sess.update(sess.prepare(sess.score(batch)))
+                _catch_up(sess, start)  # what a restore interrupted: this step's evaluation or checkpoint
+                while sess.step_count < target and (control is None or control.proceed()):
+                    row, pending = _one_step(sess, pending, async_rollout, target)
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{row['reward/mean']:.3f}", step_s=f"{row['time/step_s']:.2f}")
+                    _catch_up(sess, start)
+                after = sess.evals[-1] if sess.evals and sess.evals[-1]["step"] == sess.step_count else sess.evaluate()
+                sess.save(f"step_{sess.step_count}")
+                break
             except WorkerError as e:
+                if sess.step_count > failed_at:  # got past the last failure: a new fault, a fresh budget
+                    restores = 0
                 if on_failure != "restore" or restores >= MAX_RESTORES:
                     raise
-                restores += 1
+                restores, failed_at = restores + 1, max(failed_at, sess.step_count)
                 pending = None  # an in-flight rollout belongs to the failed state
                 _restore_after(sess, e)
                 bar.n = max(0, sess.step_count - start)
                 bar.refresh()
-                continue
-            bar.update(1)
-            bar.set_postfix(reward=f"{row['reward/mean']:.3f}", step_s=f"{row['time/step_s']:.2f}")
-            if cfg.run.eval_every and sess.step_count % cfg.run.eval_every == 0:
-                sess.evaluate()
-            if cfg.run.checkpoint_every and sess.step_count % cfg.run.checkpoint_every == 0:
-                sess.save(f"step_{sess.step_count}")
-        bar.close()
-        after = sess.evals[-1] if sess.evals[-1]["step"] == sess.step_count else sess.evaluate()
-        sess.save(f"step_{sess.step_count}")
     finally:
         bar.close()
         if pending is not None:  # a rollout queued for a step that will not come: let it finish quietly
@@ -103,6 +92,30 @@ def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, on_failu
     summary = _summary(sess, before, after, time.time() - t0, sess.step_count - start)
     sess.rundir.write_summary(summary)
     return summary
+
+
+def _one_step(sess: Session, pending, async_rollout: bool, target: int) -> tuple[dict, tuple | None]:
+    """One step; with `async_rollout` the next batch's rollout is started before this one's update."""
+    if not async_rollout:
+        return sess.step(), None
+    t_step = time.perf_counter()
+    batch = sess._finish_rollout(pending or sess._start_rollout())
+    batch.info.update(off_policy=True, wall_start=t_step)
+    # queued before this update's weight push: generated with the weights of this step
+    pending = sess._start_rollout() if sess.step_count + 1 < target else None
+    return sess.update(sess.prepare(sess.score(batch))), pending
+
+
+def _catch_up(sess: Session, start: int) -> None:
+    """The cadence at the current step — evaluation every `run.eval_every`, checkpoint every
+    `run.checkpoint_every` — unless already done: after a restore, a failed evaluation or save runs again."""
+    step, run = sess.step_count, sess.cfg.run
+    if step == start:
+        return  # the step the run began at: evaluated just before, and saved already if it was due
+    if run.eval_every and step % run.eval_every == 0 and (not sess.evals or sess.evals[-1]["step"] != step):
+        sess.evaluate()
+    if run.checkpoint_every and step % run.checkpoint_every == 0 and sess.last_saved_step != step:
+        sess.save(f"step_{step}")
 
 
 def _restore_after(sess: Session, error: WorkerError) -> None:

@@ -23,6 +23,7 @@ import random
 import time
 import weakref
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -37,18 +38,18 @@ from .algos import (
     sequence_advantage,
 )
 from .cluster.workers import Workers
-from .config import Config
+from .config import Config, ConfigError
 from .data.batch import Batch
 from .data.datasets import PromptDataset, PromptSampler, read_rows, validate_rows
 from .data.tasks import load_task
 from .errors import UsageError
-from .guard import SessionGuard
+from .guard import SessionGuard, deferred_interrupts
 from .metrics import compute
 from .metrics.health import SkipWatch
 from .metrics.log import MetricsLog
 from .prompts import PromptCodec, generate_inputs, reward_inputs
 from .roles import load_reward_fn, role_specs
-from .rundir import RunDir, fresh_run_dir
+from .rundir import Lease, RunDir, fresh_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,9 @@ class _hybridmethod:
 
 class Session:
     def __init__(self, cfg: Config | str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                 run_dir: str | Path | None = None, *, _attach: bool = False):
+                 run_dir: str | Path | None = None, *, take_over: bool = False, _attach: bool = False):
+        """A session on a new run directory (or `run_dir`). A run directory has one writer at a time
+        (rundir.Lease): `take_over=True` takes it from a live session, which then stops writing it."""
         if cfg is None or isinstance(cfg, (str, Path)):
             cfg = Config.load(cfg, overrides)
         elif overrides:
@@ -83,6 +86,10 @@ class Session:
         torch.manual_seed(cfg.run.seed)
         random.seed(cfg.run.seed)
         self.task = load_task(cfg)
+        need, positions = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, self.task.max_positions
+        if positions and need > positions:
+            raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {need} tokens, more than the model's "
+                              f"{positions} positions (max_position_embeddings in {self.task.model_dir}): lower them")
         from transformers import AutoTokenizer
         self.prompts = PromptCodec(AutoTokenizer.from_pretrained(str(self.task.model_dir)), cfg.data)
         self.train_data = self._dataset(cfg.data.train_path, self.task.train_rows, "train")
@@ -91,6 +98,8 @@ class Session:
         self._reward_fn = self.task.verifier if cfg.reward.fn == "task" else load_reward_fn(cfg.reward.fn)
 
         self.rundir = RunDir(run_dir or fresh_run_dir(cfg))
+        self.lease = Lease(self.run_dir)
+        self.lease.acquire(take_over)  # before anything starts: a refused second controller costs nothing
         self.rundir.write_config(cfg)
         if cfg.rollout.engine == "vllm" and cfg.cluster.backend == "local":
             from .roles.rollout.vllm_engine import import_vllm
@@ -107,17 +116,20 @@ class Session:
         self.metrics = MetricsLog(self.run_dir, cfg.run.tensorboard)
         self.background = None              # the BackgroundRun, when one was started
         self._rollout_stale = False         # a weight push failed after an update: push before generating
+        self.last_saved_step: int | None = None  # the step of this session's newest checkpoint
         if _attach:
             self.load_controller_state(self.rundir.read_state())
         self.state = "ready"
         _LIVE.add(self)
 
     @classmethod
-    def attach(cls, name: str, address: str | None = "auto", namespace: str = "rlbench-nb") -> Session:
+    def attach(cls, name: str, address: str | None = "auto", namespace: str = "rlbench-nb", *,
+               take_over: bool = False) -> Session:
         """Pick up a run whose actors outlived their controller (`cluster.detached: true`): same actors,
-        weights, optimizer state and step; the metric history comes from the run directory."""
+        weights, optimizer state and step; the metric history comes from the run directory. Refused while
+        another live controller drives the run, unless `take_over=True`."""
         run_dir = Path(cluster.find_run(name, address, namespace)["run_dir"])
-        return cls(Config.load(run_dir / "config.yaml"), run_dir=run_dir, _attach=True)
+        return cls(Config.load(run_dir / "config.yaml"), run_dir=run_dir, take_over=take_over, _attach=True)
 
     # ---- what the session holds ------------------------------------------------------------------
     @property
@@ -169,17 +181,25 @@ class Session:
             source = str(path)
         else:
             numbered, problems, source = list(enumerate(builtin)), [], f"{self.cfg.task.name}/{split}"
-        return validate_rows(numbered, d.prompt_key, d.max_prompt_len,
-                             lambda p: len(self.prompts.prompt_ids(p)), source, problems)
+        return validate_rows(numbered, d.prompt_key, d.max_prompt_len, lambda p: len(self.prompts.prompt_ids(p)),
+                             source, problems, max_chars_per_token=self.prompts.max_chars_per_token)
+
+    @contextmanager
+    def _phase(self, what: str, changes_state: bool = False, repairs: bool = False):
+        """guard.phase, after checking that this session still owns its run (rundir.Lease)."""
+        if self.state != "closed":
+            self.lease.check(what)
+        with self.guard.phase(what, changes_state, repairs):
+            yield
 
     # ---- phases ---------------------------------------------------------------------------------
     def rollout(self, rows: list[dict] | None = None) -> Batch:
         """Generate `rollout.n` responses for each of the next `data.batch_size` training prompts (or `rows`)."""
-        with self.guard.phase("rollout"):
+        with self._phase("rollout"):
             return self._collect_rollout(self._submit_rollout(rows))
 
     def _start_rollout(self, rows: list[dict] | None = None) -> tuple:
-        with self.guard.phase("rollout"):
+        with self._phase("rollout"):
             return self._submit_rollout(rows)
 
     def _submit_rollout(self, rows: list[dict] | None) -> tuple:
@@ -193,7 +213,7 @@ class Session:
         return batch, self.groups["rollout"].submit_shards("generate", generate_inputs(batch)), t0
 
     def _finish_rollout(self, started: tuple) -> Batch:
-        with self.guard.phase("rollout"):
+        with self._phase("rollout"):
             return self._collect_rollout(started)
 
     def _collect_rollout(self, started: tuple) -> Batch:
@@ -217,7 +237,7 @@ class Session:
     def score(self, batch: Batch) -> Batch:
         """Rewards: `scores_B` and per-sample `reward_error` (a failing reward costs its sample, not the
         step). Re-scoring a prepared batch drops its advantages: prepare it again."""
-        with self.guard.phase("score"):
+        with self._phase("score"):
             m = dict(batch.info.get("metrics", {}))
             with compute.timed(m, "time/score_s"):
                 scored = self.groups["reward"].call_split("score", reward_inputs(batch))
@@ -236,7 +256,7 @@ class Session:
         """Old log-probs (policy), reference log-probs and KL, values (critic), advantages and returns.
         Moves no state: preparing the same batch twice gives the same batch."""
         a = self.cfg.algo
-        with self.guard.phase("prepare"):
+        with self._phase("prepare"):
             m = dict(batch.info.get("metrics", {}))
             t0 = time.perf_counter()
             out = batch.replace()
@@ -279,7 +299,7 @@ class Session:
         step: one metrics row (returned), written everywhere, and the step count moves."""
         if "advantages_BR" not in batch:
             raise UsageError("update(batch) needs a prepared batch: call sess.prepare(sess.score(batch)) first")
-        with self.guard.phase("update", changes_state=True):
+        with self._phase("update", changes_state=True):
             m = dict(batch.info.get("metrics", {}))
             t0 = time.perf_counter()
             self._train(batch, m)
@@ -291,23 +311,28 @@ class Session:
             return m
 
     def _train(self, batch: Batch, m: dict) -> None:
-        """The optimizer steps and the weight push. A push that fails after the update still counts the
-        step (the trainers did move): the engine is marked stale and re-synced before the next rollout."""
+        """The optimizer steps, then the weight push. A trainer that fails may have applied part of its
+        step: the session then refuses phases until `resync()`. A push that fails after the update still
+        counts the step (the trainers did move): the engine is re-synced before the next rollout."""
         t = self.cfg.train
-        if "critic" in self.groups:
-            critic = self.groups["critic"]
-            shards = _minibatch_major(batch, t.mini_batches, critic.world_size)
-            m.update(compute.mean_over_ranks(critic.call_shards("update", shards)))
-        if self.step_count < t.critic_warmup:
-            return
-        policy = self.groups["policy"]
-        pending = policy.submit_shards("update", _minibatch_major(batch, t.mini_batches, policy.world_size),
-                                       self.kl_ctrl.value)
-        # under Ray the weight push is queued right behind the update in the policy's processes, with no
-        # round trip in between; not when a sleeping engine must wait for the update to end to wake up
-        early = (self.workers.start_sync(self.step_count + 1)
-                 if self.cfg.cluster.backend == "ray" and not self.workers.rollout_sleeps() else None)
-        m.update(compute.mean_over_ranks(policy.collect(pending)))
+        try:
+            if "critic" in self.groups:
+                critic = self.groups["critic"]
+                shards = _minibatch_major(batch, t.mini_batches, critic.world_size)
+                m.update(compute.mean_over_ranks(critic.call_shards("update", shards)))
+            if self.step_count < t.critic_warmup:
+                return
+            policy = self.groups["policy"]
+            pending = policy.submit_shards("update", _minibatch_major(batch, t.mini_batches, policy.world_size),
+                                           self.kl_ctrl.value)
+            # under Ray the weight push is queued right behind the update in the policy's processes, with no
+            # round trip in between; not when a sleeping engine must wait for the update to end to wake up
+            early = (self.workers.start_sync(self.step_count + 1)
+                     if self.cfg.cluster.backend == "ray" and not self.workers.rollout_sleeps() else None)
+            m.update(compute.mean_over_ranks(policy.collect(pending)))
+        except BaseException:
+            self.state = "needs_resync"
+            raise
         try:  # sync/s of a push queued behind the update: what it added after the update
             m.update(self.workers.finish_sync(early, since=time.perf_counter()) if early
                      else self.workers.sync(self.step_count + 1))
@@ -323,18 +348,30 @@ class Session:
             self.kl_ctrl.update(batch.info["kl_current"], n_steps=len(batch))
         self.metrics.log_step(self.step_count, m)
         self.rundir.write_state(self.controller_state())
+        self.lease.renew()
         k = self.cfg.run.save_rollouts_every
         if k and self.step_count % k == 0:
             self.rundir.write_rollouts(batch, self.step_count)
         self.skips.observe(self.step_count, m)
 
     def step(self) -> dict:
-        """One iteration: rollout -> score -> prepare -> update. Returns the step's metrics row."""
-        return self.update(self.prepare(self.score(self.rollout())))
+        """One iteration: rollout -> score -> prepare -> update. Returns the step's metrics row.
+
+        Interrupted (Ctrl-C) before its update, the step never happened: the data position and the
+        rollout's sampling RNG go back to where they were, so a checkpoint saved now resumes exactly."""
+        data_position = self.sampler.state_dict()
+        try:
+            batch = self.prepare(self.score(self.rollout()))
+        except KeyboardInterrupt:
+            with deferred_interrupts("rewinding the interrupted step"):
+                self.sampler.load_state_dict(data_position)
+                self.groups["rollout"].call("rewind")
+            raise
+        return self.update(batch)
 
     def sync_weights(self) -> dict:
         """Push the policy's full weights to every rollout rank; bytes and seconds are metrics."""
-        with self.guard.phase("sync_weights"):
+        with self._phase("sync_weights"):
             out = self.workers.sync(self.step_count)
             self._rollout_stale = False
             return out
@@ -342,7 +379,7 @@ class Session:
     # ---- evaluation -----------------------------------------------------------------------------
     def evaluate(self, rows: list[dict] | None = None) -> dict:
         """Greedy decoding on the held-out prompts; `eval/accuracy` is the share scoring the maximum 1.0."""
-        with self.guard.phase("evaluate"):
+        with self._phase("evaluate"):
             rows = rows if rows is not None else self.test_data.rows
             params = self.cfg.rollout.model_copy(update={"temperature": 0.0, "n": 1})
             batch = self.prompts.encode(rows, 1, tag="eval")
@@ -369,7 +406,7 @@ class Session:
             raise UsageError(f"reward function '{getattr(fn, '__name__', fn)}' cannot be shipped to the reward "
                              f"workers: {type(e).__name__}: {e} — define it at the top level of a cell and keep "
                              "locks, open files, sessions and models out of what it captures") from None
-        with self.guard.phase("set_reward"):
+        with self._phase("set_reward"):
             self._reward_fn = fn
             self.workers.replace_args("reward", fn, self.cfg.reward, self.cfg.cluster.backend == "local")
             self.groups["reward"].call("set_fn", fn)
@@ -394,7 +431,8 @@ class Session:
 
         `on_failure="restore"`: when a worker process dies or stops answering, its role is rebuilt
         (`restart`: trainer roles come back from the latest checkpoint, and the session with them) and the
-        run goes on until it has done `steps` steps past where it started — at most 3 times per call.
+        run goes on until it has done `steps` steps past where it started; an evaluation or save the
+        failure cut runs again. A fault that comes back 3 times before the run gets past it is raised.
         Metric rows past the restored step move to metrics.superseded.jsonl; no checkpoint is touched.
         """
         from .runner import BackgroundRun, run_loop
@@ -440,7 +478,7 @@ class Session:
             raise checkpoint.CheckpointError(
                 f"cannot restart '{trainers[0]}': no checkpoint in {self.rundir.checkpoints} to restore its "
                 "weights from; save regularly (run.checkpoint_every) or start a new session")
-        with self.guard.phase("restart", changes_state=True):
+        with self._phase("restart", changes_state=True, repairs=bool(trainers)):
             rebuilt = self.workers.restart(*roles)
             if trainers:
                 checkpoint.restore(self, checkpoint.resolve(self.run_dir))
@@ -449,26 +487,30 @@ class Session:
         return self
 
     def resync(self) -> Session:
-        """After an abandoned update (Ctrl-C twice): return every role to the latest checkpoint."""
-        if self.state == "needs_resync":
-            self.state = "ready"
-        return self.load(self.run_dir)
+        """After an update that was abandoned (Ctrl-C twice) or failed half-way: return every role to the
+        latest checkpoint."""
+        return self.load()
 
     # ---- checkpoints (checkpoint.py) --------------------------------------------------------------
     def save(self, name: str | None = None) -> Path:
         """A checkpoint in RUN_DIR/checkpoints/<name> (default step_<N>) that resumes exactly."""
-        with self.guard.phase("save"):
-            return checkpoint.save(self, name or f"step_{self.step_count}")
+        with self._phase("save"):
+            return checkpoint.save(self, f"step_{self.step_count}" if name is None else name)
 
-    def _load_into(self, name: str | Path) -> Session:
-        with self.guard.phase("load", changes_state=True):
-            path = Path(name) if Path(name).exists() else checkpoint.checkpoint_path(self.run_dir, str(name))
+    def _load_into(self, name: str | Path | None = None) -> Session:
+        """Restore this session to a checkpoint: a name in this run, a folder, or (None) the latest."""
+        with self._phase("load", changes_state=True, repairs=True):
+            if name is None:
+                path = self.run_dir
+            else:
+                path = Path(name) if Path(name).exists() else checkpoint.checkpoint_path(self.run_dir, str(name))
             checkpoint.restore(self, checkpoint.resolve(path))
         return self
 
     @classmethod
-    def _load_new(cls, path: str | Path, run_dir: str | Path | None = None, overrides=()) -> Session:
-        return checkpoint.load(path, run_dir, overrides)
+    def _load_new(cls, path: str | Path, run_dir: str | Path | None = None, overrides=(), *,
+                  take_over: bool = False) -> Session:
+        return checkpoint.load(path, run_dir, overrides, take_over=take_over)
 
     load = _hybridmethod(_load_new, _load_into)
 
@@ -496,6 +538,8 @@ class Session:
         if hasattr(self, "workers"):
             self.workers.close()
         cluster.disconnect(self.cfg)
+        if hasattr(self, "lease"):
+            self.lease.release()
         self.state = "closed"
 
     def __enter__(self) -> Session:

@@ -31,6 +31,11 @@ def test_overrides_are_typed_and_applied():
     ("task.ops=+/", "unknown operator(s) ['/']"),
     ("rollout.n=1", "algo.advantage=grpo compares samples of one prompt: set rollout.n to 2 or more"),
     ("algo.kl_coef", "override 'algo.kl_coef' must look like key=value"),
+    # bounds that follow the math: a ratio clipped below at 1 - 2 < 0 clips nothing; an infinite step size
+    ("algo.clip_low=2", "invalid value for 'algo.clip_low': 2 — Input should be less than 1"),
+    ("train.lr=inf", "invalid value for 'train.lr': 'inf' — Input should be a finite number"),
+    ("algo.kl_coef=nan", "invalid value for 'algo.kl_coef'"),
+    ("run.name=../../evil", "a plain folder name is needed"),
 ])
 def test_bad_overrides_give_one_clear_line(override, message):
     with pytest.raises(ConfigError) as e:
@@ -71,3 +76,16 @@ def test_colocated_rollout_needs_one_engine_per_policy_rank():
     cfg = Config.load(None, ["cluster.backend=ray", "rollout.colocate=true", "cluster.train_ranks=2",
                              "cluster.rollout_ranks=2"])
     assert cfg.rollout.colocate
+
+
+def test_files_that_would_lose_a_section_or_cannot_be_read_are_one_line_errors(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("algo:\n  kl_coef: 0.1\nrollout:\n  n: 4\nalgo:\n  clip_high: 0.3\n")  # a section pasted twice
+    with pytest.raises(ConfigError, match=r"c.yaml is not valid YAML: 'algo' appears twice \(lines 1 and 5\); merge"):
+        Config.load(p)
+    p.write_bytes("algo:\n  advantage: grpo  # caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"c.yaml is not UTF-8 text \(byte 30: .*\): save it as UTF-8"):
+        Config.load(p)
+    p.write_text("\n")  # a failed copy, not a wish for every default
+    with pytest.raises(ConfigError, match="c.yaml is empty"):
+        Config.load(p)

@@ -3,7 +3,10 @@ process killed mid-run (CLI and exported script), a save killed half-way, a real
 checkpoint carrying a malicious pickle, a notebook that must not run while it is exported."""
 from __future__ import annotations
 
+import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -31,18 +34,27 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def _start(cmd: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    proc._log = log  # what it said, for _kill_when
+    return proc
 
 
-def _kill_when(proc: subprocess.Popen, path: Path, timeout: float = 300) -> None:
-    """SIGKILL `proc` as soon as `path` exists (it must not have finished by then)."""
+def _kill_when(proc: subprocess.Popen, path: Path, how: str = "kill", timeout: float = 300) -> None:
+    """As soon as `path` exists (the run must not have finished by then): SIGKILL `proc` (how="kill"), or
+    SIGINT it (how="interrupt", Ctrl-C) and check that it saved a checkpoint and said how to continue."""
     deadline = time.time() + timeout
     while not path.exists():
         assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {path} appeared"
         assert time.time() < deadline, f"{path} never appeared"
         time.sleep(0.02)
-    proc.kill()
-    proc.wait(timeout=30)
+    if how == "kill":
+        proc.kill()
+        proc.wait(timeout=30)
+        return
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    said = proc._log.read_text()
+    assert re.search(r"interrupted at step \d+: checkpoint saved in .*\ncontinue with: .*--resume", said), said[-2000:]
 
 
 def _run(cmd, **kw):
@@ -59,22 +71,24 @@ def _same_as_straight(killed: Path, straight: Path, steps: int) -> None:
     assert not superseded.exists() or all(r["step"] > 10 for r in read_jsonl(superseded))
 
 
-def test_killed_cli_run_resumes_with_the_metrics_of_a_straight_run(tmp_path):
+@pytest.mark.parametrize("how", ["kill", "interrupt"])
+def test_killed_cli_run_resumes_with_the_metrics_of_a_straight_run(tmp_path, how):
     cli = [sys.executable, "-m", "rlbench_nb.cli", "train", "configs/arith_grpo.yaml", "--quiet",
            *TRAIN, "run.steps=30", f"run.dir={tmp_path}"]
     proc = _start([*cli, "run.name=killed"], tmp_path / "killed.log")
-    _kill_when(proc, tmp_path / "killed" / "checkpoints" / "step_10" / "COMPLETE")
+    _kill_when(proc, tmp_path / "killed" / "checkpoints" / "step_10" / "COMPLETE", how)
     _run([sys.executable, "-m", "rlbench_nb.cli", "train", "--resume", str(tmp_path / "killed"), "--quiet"])
     _run([*cli, "run.name=straight"])
     _same_as_straight(tmp_path / "killed", tmp_path / "straight", 30)
 
 
-def test_killed_exported_script_resumes_with_the_metrics_of_a_straight_run(tmp_path):
+@pytest.mark.parametrize("how", ["kill", "interrupt"])
+def test_killed_exported_script_resumes_with_the_metrics_of_a_straight_run(tmp_path, how):
     from rlbench_nb.export import export
     script = export(REPO / "notebooks/01_quickstart.ipynb", tmp_path / "train.py")
     cmd = [sys.executable, str(script), "--steps", "30", *TRAIN]
     proc = _start([*cmd[:4], "--run-dir", str(tmp_path / "killed"), *cmd[4:]], tmp_path / "killed.log")
-    _kill_when(proc, tmp_path / "killed" / "checkpoints" / "step_10" / "COMPLETE")
+    _kill_when(proc, tmp_path / "killed" / "checkpoints" / "step_10" / "COMPLETE", how)
     _run([sys.executable, str(script), "--steps", "30", "--resume", str(tmp_path / "killed")])
     _run([*cmd[:4], "--run-dir", str(tmp_path / "straight"), *cmd[4:]])
     _same_as_straight(tmp_path / "killed", tmp_path / "straight", 30)
@@ -171,8 +185,13 @@ def test_a_checkpoint_with_a_malicious_pickle_is_refused(small_cfg, tmp_path, vi
     sess.save("poisoned")
     sess.close()
     marker = tmp_path / "PWNED"
-    torch.save({"optimizer": _Payload(marker), "rng": _Payload(marker)},
-               tmp_path / "run" / "checkpoints" / "poisoned" / victim)
+    folder = tmp_path / "run" / "checkpoints" / "poisoned"
+    torch.save({"optimizer": _Payload(marker), "rng": _Payload(marker)}, folder / victim)
+    with pytest.raises(rl.CheckpointError, match=victim.replace(".", r"\.") + " has .* bytes"):
+        rl.Session.load(folder)  # the manifest catches the change first
+    # an attacker who rewrites the manifest too still cannot run code: tensors-only loading refuses it
+    from rlbench_nb.checkpoint import _manifest
+    (folder / "MANIFEST.json").write_text(json.dumps(_manifest(folder)))
     with pytest.raises(Exception, match=r"refusing to load .*" + victim.split("/")[-1].replace(".", r"\.")):
         rl.Session.load(tmp_path / "run")
     assert not marker.exists(), "the pickled command ran"
@@ -194,3 +213,169 @@ def test_export_never_runs_the_notebook(tmp_path):
     assert f"open({str(marker)!r}, 'w')" in script.read_text()  # the code is copied, as text
     _run([sys.executable, "-m", "rlbench_nb.cli", "export", str(tmp_path / "nb.ipynb"), "-o", str(tmp_path / "x.py")])
     assert not marker.exists()
+
+
+def _two_checkpoints(small_cfg, run_dir):
+    sess = rl.Session(small_cfg("run.tensorboard=false"), run_dir=run_dir)
+    sess.step()
+    sess.save("step_1")
+    sess.step()
+    sess.save("step_2")
+    return sess
+
+
+@pytest.mark.parametrize("damage", ["flip a byte of the weights", "truncate rollout_state.pt", "empty config.yaml",
+                                    "truncate controller.json"])
+def test_a_damaged_checkpoint_is_named_and_loading_falls_back_to_the_last_good_one(small_cfg, tmp_path, caplog,
+                                                                                  damage):
+    sess = _two_checkpoints(small_cfg, tmp_path / "run")
+    sess.close()
+    bad = tmp_path / "run" / "checkpoints" / "step_2"
+    victim = {"flip a byte of the weights": "policy/model.safetensors", "truncate rollout_state.pt": "rollout_state.pt",
+              "empty config.yaml": "config.yaml", "truncate controller.json": "controller.json"}[damage]
+    data = bytearray((bad / victim).read_bytes())
+    if damage.startswith("flip"):
+        data[len(data) // 2] ^= 0xFF
+    else:
+        data = data[: len(data) // 2] if damage.startswith("truncate") else bytearray()
+    (bad / victim).write_bytes(bytes(data))
+    with pytest.raises(rl.CheckpointError, match=f"step_2 is damaged: {victim}.*Other checkpoints of this run: "
+                                                 r"\['step_1'\]"):
+        rl.Session.load(bad)
+    with rl.Session.load(tmp_path / "run") as again:  # from the run: the newest one that verifies, said aloud
+        assert again.step_count == 1
+        assert "using step_1 instead" in caplog.text and victim in caplog.text
+
+
+def test_a_failed_in_place_load_leaves_the_session_as_it_was(small_cfg, tmp_path):
+    with _two_checkpoints(small_cfg, tmp_path / "run") as sess:
+        (tmp_path / "run" / "checkpoints" / "step_1" / "policy" / "model.safetensors").write_bytes(b"\0" * 64)
+        before = sess.groups["policy"].call("get_weights")[0]
+        with pytest.raises(rl.CheckpointError, match="step_1 is damaged"):
+            sess.load("step_1")
+        after = sess.groups["policy"].call("get_weights")[0]
+        assert all(torch.equal(before[k], after[k]) for k in before) and sess.step_count == 2
+        assert sess.state == "ready" and sess.step()["update/skipped"] == 0
+
+
+def test_a_torn_metrics_line_does_not_swallow_the_next_row(small_cfg, tmp_path):
+    with rl.Session(small_cfg("run.tensorboard=false"), run_dir=tmp_path / "run") as sess:
+        sess.step()
+        sess.save("one")
+    with (tmp_path / "run" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2, "reward/me')  # a crash mid-row
+    with rl.Session.load(tmp_path / "run") as sess:
+        sess.step()
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "latest", "../x", "a/b", ".hidden"])
+def test_checkpoint_names_that_could_escape_or_clobber_are_refused(small_cfg, tmp_path, name):
+    with rl.Session(small_cfg("run.tensorboard=false"), run_dir=tmp_path / "run") as sess:
+        sess.step()
+        sess.save("good")
+        with pytest.raises(rl.CheckpointError, match="is not allowed: use a plain folder name"):
+            sess.save(name)
+        assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["good", "latest"]
+    assert not (tmp_path / "x").exists() and not (tmp_path / "run" / "latest").exists()
+
+
+def test_a_copied_or_moved_run_resumes_into_its_own_directory(small_cfg, tmp_path, monkeypatch):
+    import shutil
+    with rl.Session(small_cfg("run.tensorboard=false"), run_dir=tmp_path / "orig") as sess:
+        sess.step()
+        sess.save("one")
+        sess.step()
+    original = (tmp_path / "orig" / "metrics.jsonl").read_text()
+    shutil.copytree(tmp_path / "orig", tmp_path / "copy")
+    shutil.move(tmp_path / "orig", tmp_path / "moved")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # as a notebook in another folder would
+    for name in ("copy", "moved"):
+        with rl.Session.load(tmp_path / name) as sess:
+            assert sess.run_dir == tmp_path / name and [r["step"] for r in sess.history] == [1]
+            sess.step()
+        assert (tmp_path / name / "metrics.superseded.jsonl").exists()
+    assert (tmp_path / "moved" / "metrics.jsonl").read_text() != original  # it wrote into its own files
+    assert not (tmp_path / "orig").exists() and not list((tmp_path / "elsewhere").iterdir())
+
+
+def test_a_second_writer_on_a_run_is_refused_naming_the_holder(small_cfg, tmp_path):
+    first = rl.Session(small_cfg("run.tensorboard=false"), run_dir=tmp_path / "run")
+    first.step()
+    with pytest.raises(rl.RLBenchError, match="is in use by another session in this process"):
+        rl.Session(small_cfg("run.tensorboard=false"), run_dir=tmp_path / "run")  # a re-run cell
+    holder = json.loads((tmp_path / "run" / "owner.json").read_text())
+    assert holder["pid"] == os.getpid()
+    first.close()  # released: the next one may write
+    with rl.Session(small_cfg("run.tensorboard=false"), run_dir=tmp_path / "run") as second:
+        second.step()
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 1]  # a new session on the same directory starts at step 1 again
+    # a holder process that died leaves a lease nobody honours
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    holder.update(pid=int(dead.stdout), start="0")
+    (tmp_path / "run" / "owner.json").write_text(json.dumps(holder))
+    rl.Session(small_cfg("run.tensorboard=false"), run_dir=tmp_path / "run").close()
+
+
+def test_non_finite_weights_after_an_update_stop_before_they_spread(small_cfg, tmp_path, monkeypatch):
+    with rl.Session(small_cfg("run.tensorboard=false"), run_dir=tmp_path / "run") as sess:
+        sess.step()
+        sess.save("good")
+        policy = sess.groups["policy"].workers[0]
+        engine_before = sess.groups["rollout"].call("get_weights")[0]
+        step = policy.optimizer.step
+
+        def overflowing_step(*a, **k):  # finite loss and gradient, infinite weights: an lr that overflows
+            step(*a, **k)
+            next(policy.model.parameters()).data[0, 0] = float("inf")
+        monkeypatch.setattr(policy.optimizer, "step", overflowing_step)
+        with pytest.raises(rl.WorkerError, match="the weights became non-finite in an optimizer step"):
+            sess.step()
+        engine_after = sess.groups["rollout"].call("get_weights")[0]
+        assert all(torch.equal(engine_before[k], engine_after[k]) for k in engine_before)  # nothing pushed
+        assert sess.step_count == 1 and sess.state == "needs_resync"
+        with pytest.raises(rl.SessionStateError, match=r"call sess.resync\(\)"):
+            sess.rollout()
+        monkeypatch.undo()
+        sess.resync()
+        assert sess.state == "ready" and sess.step()["update/skipped"] == 0
+
+
+def test_a_full_disk_is_named_the_partial_save_removed_and_nothing_written_lost(small_cfg, tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14M", "tmpfs", str(small)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("needs a small file system: mounting a tmpfs requires root")
+    try:
+        with rl.Session(small_cfg("run.tensorboard=false"), run_dir=small / "run") as sess:
+            sess.step()
+            sess.save("one")  # ~8 MB: fits once, not twice
+            sess.step()
+            with pytest.raises(rl.CheckpointError, match=r"no space left to save checkpoint two: .*MiB free now.*"
+                                                         r"previous checkpoint \(one\) is untouched"):
+                sess.save("two")
+            assert sorted(p.name for p in (small / "run" / "checkpoints").iterdir()) == ["latest", "one"]
+            filler = small / "filler"
+            with filler.open("wb", buffering=0) as f:  # now fill the disk to the last byte: the next metrics row tears
+                try:
+                    while True:
+                        f.write(b"\0" * 4096)
+                        f.flush()
+                except OSError:
+                    pass
+            with pytest.raises(rl.RLBenchError, match="no space left on its file system"):
+                for _ in range(20):
+                    sess.step()
+            filler.unlink()
+            sess.step()
+        rows = read_jsonl(small / "run" / "metrics.jsonl")
+        steps = [r["step"] for r in rows if "reward/mean" in r]
+        assert steps[:2] == [1, 2] and steps == sorted(set(steps))  # the torn row is dropped, no row swallowed
+        with rl.Session.load(small / "run") as again:
+            assert again.step_count == 1  # "one" verifies and loads
+    finally:
+        subprocess.run(["umount", "-l", str(small)])

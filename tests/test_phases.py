@@ -150,3 +150,36 @@ def test_the_cli_explains_its_own_errors_in_one_line_and_keeps_a_bugs_traceback(
                          cwd=REPO)
     assert bug.returncode == 1 and "Traceback (most recent call last)" in bug.stderr
     assert "ZeroDivisionError" in bug.stderr
+
+
+def test_a_second_ctrl_c_abandons_the_update_and_the_session_asks_for_resync(small_cfg, tmp_path, monkeypatch):
+    """One Ctrl-C waits for the update; a second abandons it half-way: the optimizer may have moved while
+    the step was not recorded, so the session refuses phases until `resync()` brings every role back to
+    the latest checkpoint, where all counts agree again."""
+    import os
+    import signal
+
+    from rlbench_nb.guard import Abandoned
+    sess = rl.Session(small_cfg("run.tensorboard=false"), run_dir=tmp_path / "run")
+    sess.step()
+    sess.save("one")
+    policy = sess.groups["policy"].workers[0]
+    real_update = policy.update
+
+    def interrupted_twice(*a, **k):
+        out = real_update(*a, **k)  # the optimizer has stepped: the controller has not recorded it
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        return out
+    monkeypatch.setattr(policy, "update", interrupted_twice)
+    with pytest.raises(Abandoned, match="update was abandoned half-way"):
+        sess.step()
+    assert sess.state == "needs_resync" and policy.optimizer_steps() == 2 and sess.step_count == 1
+    with pytest.raises(rl.SessionStateError, match=r"call sess.resync\(\)"):
+        sess.rollout()
+    monkeypatch.undo()
+    sess.resync()
+    assert sess.state == "ready" and policy.optimizer_steps() == sess.step_count == len(sess.history) == 1
+    sess.step()
+    assert policy.optimizer_steps() == sess.step_count == 2
+    sess.close()

@@ -184,7 +184,12 @@ def test_resume_after_later_rows_keeps_them_aside(small_cfg, tmp_path):
     sess.step()
     sess.save("one")
     sess.step()
-    again = rl.Session.load(tmp_path / "r" / "checkpoints" / "one")
+    with pytest.raises(rl.RLBenchError, match=r"in use by another session in this process.*take_over=True"):
+        rl.Session.load(tmp_path / "r" / "checkpoints" / "one")  # the run is live: loading it would fork it
+    assert [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if "reward/mean" in r] == [1, 2]
+    again = rl.Session.load(tmp_path / "r" / "checkpoints" / "one", take_over=True)
+    with pytest.raises(rl.SessionStateError, match="was taken over by another session in this process"):
+        sess.step()  # the old session is fenced: it writes nothing more
     assert again.step_count == 1 and [r["step"] for r in again.history] == [1]
     assert [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics.superseded.jsonl")] == [2]
     again.step()
@@ -203,7 +208,8 @@ def test_interrupted_save_never_becomes_latest(small_cfg, tmp_path, monkeypatch)
     with pytest.raises(rl.cluster.WorkerError):
         sess.save("bad")
     assert (tmp_path / "r" / "checkpoints" / "latest").read_text() == "good"
-    assert not (tmp_path / "r" / "checkpoints" / "bad").exists()
+    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == ["good", "latest"]  # cleaned up
+    sess.close()
     assert rl.Session.load(tmp_path / "r").step_count == 1
     with pytest.raises(CheckpointError, match="no checkpoint at"):
         rl.Session.load(tmp_path)
@@ -222,6 +228,9 @@ def test_bad_dataset_and_config_fail_before_touching_the_run(small_cfg, tmp_path
         rl.Session(small_cfg(f"data.train_path={bad}"), run_dir=run_dir)
     with pytest.raises(rl.ConfigError, match="did you mean 'rollout.temperature'"):
         rl.Session(small_cfg("rollout.temperatur=2"), run_dir=run_dir)
+    with pytest.raises(rl.ConfigError, match=r"rollout.max_new_tokens = \d+ tokens, more than the model's \d+ "
+                                             r"positions \(max_position_embeddings in .*\): lower them"):
+        rl.Session(small_cfg("rollout.max_new_tokens=100000"), run_dir=run_dir)
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == written
 
 

@@ -7,6 +7,7 @@ their row numbers; the run goes on with the good rows unless none are left.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import random
@@ -23,9 +24,16 @@ class DatasetError(RLBenchError, ValueError):
     """No usable rows, or a file that cannot be read at all."""
 
 
+# Fields the phases add to a batch. A dataset row may not use these names: its fields reach the reward
+# function as keyword arguments and ride in the batch beside the phases' own, which they would overwrite
+# (a `group` field would regroup GRPO's samples) or be overwritten by (a `response` field).
+RESERVED_FIELDS = frozenset({"response", "group", "reward_error", "advantage", "reward", "length", "score"})
+_PROGRESS_BYTES = 64 * 2**20  # files larger than this show a progress bar while they load
+
+
 @dataclass
 class RowProblem:
-    row: int  # 1-based line number in a JSONL file, 0-based index otherwise
+    row: int  # 1-based: the line of a JSONL file, the record of a JSON array or Parquet file
     reason: str
 
 
@@ -48,38 +56,97 @@ class PromptDataset:
 
 
 def read_rows(path: str | Path) -> tuple[list[tuple[int, object]], list[RowProblem]]:
-    """(numbered raw rows, problems) from a .jsonl/.json-lines or .parquet file. Bad JSON lines are problems."""
+    """(numbered raw rows, problems) from a file, by its content rather than its name: Parquet ('PAR1'),
+    gzip (then its content), a JSON array, or JSON lines; UTF-8 with or without a byte-order mark.
+
+    JSON lines are read one at a time (not with pyarrow's JSON reader, which stops at the first bad line):
+    every line that is not valid UTF-8 or JSON is a problem with its line number, and the rest load."""
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"dataset file not found: {path}")
-    if path.suffix == ".parquet":
+    with path.open("rb") as f:
+        head = f.read(4)
+    if head == b"PAR1":
+        return _read_parquet(path)
+    opener = gzip.open if head[:2] == b"\x1f\x8b" else open
+    try:
+        with opener(path, "rb") as f:
+            return _read_json_text(f, path)
+    except (OSError, EOFError) as e:  # a truncated or corrupt gzip stream
+        raise DatasetError(f"cannot read {path}: {e}") from None
+
+
+def _read_parquet(path: Path) -> tuple[list, list]:
+    import pyarrow.parquet as pq
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors have no common base worth naming
+        raise DatasetError(f"cannot read {path} as Parquet: {e}") from None
+    return list(enumerate(table.to_pylist(), start=1)), []
+
+
+def _read_json_text(f, path: Path) -> tuple[list, list]:
+    first = f.read(1 << 16)
+    start = first.lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
+    if start == b"[":  # one JSON array of rows
+        data = first + f.read()
         try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise DatasetError(f"reading {path} needs pyarrow: pip install pyarrow") from None
-        return list(enumerate(pq.read_table(path).to_pylist())), []
+            rows = json.loads(data.decode("utf-8-sig"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise DatasetError(f"{path} starts like a JSON array but is not one: {e}") from None
+        return list(enumerate(rows, start=1)), []
     rows, problems = [], []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as e:
-                problems.append(RowProblem(lineno, f"not valid JSON ({e.msg})"))
+    total = path.stat().st_size
+    bar = None
+    if total > _PROGRESS_BYTES:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"reading {path.name}")
+    stream = _lines(first, f)
+    for lineno, raw in enumerate(stream, start=1):
+        if bar is not None:
+            bar.update(len(raw))
+        if lineno == 1:
+            raw = raw.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark is not part of row 1
+        if not raw.strip():
+            continue
+        try:
+            rows.append((lineno, json.loads(raw.decode("utf-8"))))
+        except UnicodeDecodeError as e:
+            problems.append(RowProblem(lineno, f"not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8"))
+        except json.JSONDecodeError as e:
+            problems.append(RowProblem(lineno, f"not valid JSON ({e.msg})"))
+    if bar is not None:
+        bar.close()
     return rows, problems
+
+
+def _lines(first: bytes, f):
+    """The file's lines (bytes), `first` being what was already read of it."""
+    pending = first
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        pending += chunk
+        *done, pending = pending.split(b"\n")
+        yield from done
+    yield from pending.split(b"\n")
 
 
 def validate_rows(numbered: list[tuple[int, object]], prompt_key: str, max_prompt_len: int,
                   count_tokens: Callable[[str], int], source: str,
-                  problems: list[RowProblem] | None = None) -> PromptDataset:
-    """Keep rows with a non-empty string prompt of at most `max_prompt_len` tokens."""
+                  problems: list[RowProblem] | None = None, max_chars_per_token: int | None = None) -> PromptDataset:
+    """Keep rows with a non-empty string prompt of at most `max_prompt_len` tokens. With
+    `max_chars_per_token` (the tokenizer's longest token), a prompt too long by its characters alone is
+    refused without tokenising it (a 10 MB prompt costs nothing)."""
     problems = list(problems or [])
     good = []
     for n, row in numbered:
         if not isinstance(row, dict):
             problems.append(RowProblem(n, f"expected a JSON object, got {type(row).__name__}"))
             continue
+        clash = sorted(RESERVED_FIELDS & set(row) - {prompt_key})
+        if clash:
+            raise DatasetError(f"{source}: row {n} has a field named '{clash[0]}', which rlbench-nb's phases use for "
+                               f"their own results (reserved: {sorted(RESERVED_FIELDS)}): rename it in the file, "
+                               f"e.g. to '{clash[0]}_'")
         if prompt_key not in row:
             problems.append(RowProblem(n, f"missing field '{prompt_key}' (fields: {sorted(row)[:6]})"))
             continue
@@ -90,7 +157,16 @@ def validate_rows(numbered: list[tuple[int, object]], prompt_key: str, max_promp
         if not prompt.strip():
             problems.append(RowProblem(n, f"empty '{prompt_key}'"))
             continue
-        n_tok = count_tokens(prompt)
+        if max_chars_per_token and len(prompt) > max_prompt_len * max_chars_per_token:
+            problems.append(RowProblem(n, f"prompt has {len(prompt)} characters: more than "
+                                          f"data.max_prompt_len={max_prompt_len} tokens can hold"))
+            continue
+        try:
+            prompt.encode("utf-8")
+            n_tok = count_tokens(prompt)
+        except (UnicodeError, TypeError, ValueError) as e:  # e.g. a lone surrogate such as "\\ud800"
+            problems.append(RowProblem(n, f"prompt cannot be tokenised ({type(e).__name__}: {str(e)[:80]})"))
+            continue
         if n_tok > max_prompt_len:
             problems.append(RowProblem(n, f"prompt has {n_tok} tokens > data.max_prompt_len={max_prompt_len}"))
             continue
@@ -99,8 +175,8 @@ def validate_rows(numbered: list[tuple[int, object]], prompt_key: str, max_promp
     if problems:
         log.warning("%s", ds.report())
     if not good:
-        raise DatasetError(f"{ds.report()} — no usable rows left; "
-                           "fix the file or data.prompt_key / data.max_prompt_len")
+        raise DatasetError(f"{ds.report()} — no usable rows left; fix the file or data.prompt_key / "
+                           "data.max_prompt_len")
     return ds
 
 

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from ..errors import RunDirError, write_failure
 from .sinks import JSONLSink, TensorBoardSink, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,10 @@ class MetricsLog:
 
     def _write(self, step: int, row: dict) -> None:
         for s in self._sinks:
-            s.write(step, row)
+            try:
+                s.write(step, row)
+            except OSError as e:  # a full disk: say so; the next open mends a torn last line
+                raise RunDirError(e.errno, write_failure(self.path, e)) from None
 
     # ---- subscribers ----------------------------------------------------------------------------
     def on_step(self, fn: Subscriber) -> Callable[[], None]:

@@ -7,11 +7,16 @@ from pathlib import Path
 
 
 class JSONLSink:
-    """One JSON object per step, flushed at once: a crash loses no row already written."""
+    """One JSON object per step, flushed at once: a crash loses no row already written. A file whose last
+    line was torn (a crash, or a full disk, mid-row) gets a line break first, so the torn row stays on its
+    own line (readers skip it) instead of swallowing the next one."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        torn = self.path.exists() and self.path.stat().st_size > 0 and _last_byte(self.path) != b"\n"
         self._f = self.path.open("a", encoding="utf-8")
+        if torn:
+            self._f.write("\n")
 
     def write(self, step: int, row: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
@@ -37,6 +42,12 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self._w.close()
+
+
+def _last_byte(path: Path) -> bytes:
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1)
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

@@ -113,6 +113,11 @@ class PolicyWorker(ReferenceWorker):
             stats["loss/kl"] = kl_loss.item()
         return loss, stats
 
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken so far (AdamW's own count): what the session's step count must agree with."""
+        state = next((self.optimizer.state[p] for p in self.model.parameters() if p in self.optimizer.state), None)
+        return int(state["step"]) if state else 0
+
     # ---- weights and state ----------------------------------------------------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:
         """Full CPU weights in the rollout's dtype (model.dtype) on rank 0 ({} elsewhere); gathers when

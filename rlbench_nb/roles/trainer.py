@@ -65,8 +65,28 @@ def _optimizer_step(model, optimizer, mini: Batch, t: TrainConfig, loss_fn: Loss
         optimizer.zero_grad(set_to_none=True)
         return "grad"
     optimizer.step()
+    _check_finite_weights(model, optimizer, grad_norm)
     keys = sorted(sums)  # shards' contributions -> the mini-batch's values, the same on every rank
     totals = dist_util.all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
     out = dict(zip(keys, totals.tolist()))
     out[grad_norm_key] = grad_norm
     return out
+
+
+class NonFiniteWeightsError(FloatingPointError):
+    """The weights themselves became non-finite in an optimizer step (finite loss and gradient)."""
+
+
+def _check_finite_weights(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_norm: float) -> None:
+    """A finite loss and gradient can still give non-finite weights (an overflowing learning rate or Adam
+    state). The step cannot be undone in place, so training stops here, before the weights spread to the
+    rollout engine or a checkpoint."""
+    from torch.distributed.tensor import DTensor
+    bad = torch.tensor(float(sum(not torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()
+                                 for p in model.parameters())))
+    if dist_util.all_reduce_sum(bad) > 0:
+        lr = optimizer.param_groups[0]["lr"]
+        raise NonFiniteWeightsError(
+            f"the weights became non-finite in an optimizer step (lr={lr:g}, gradient norm {grad_norm:.3g}, both "
+            "finite): nothing was pushed to the rollout engine or saved. Lower train.lr and continue from the "
+            "latest checkpoint (sess.resync() in a notebook, --resume for a script)")

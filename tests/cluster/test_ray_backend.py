@@ -232,10 +232,15 @@ def test_vllm_engine_inside_a_rollout_actor(ray_cluster, small_cfg):
 
 
 def test_run_on_failure_restore_survives_killed_and_hung_workers(ray_cluster, small_cfg):
-    """Kill the rollout worker, freeze a policy rank (SIGSTOP: it hangs, so the call times out), kill the
-    reward worker: run(on_failure="restore") rebuilds each and finishes; no row or checkpoint is lost."""
-    sess = rl.Session(small_cfg(*RAY, "cluster.train_ranks=2", "run.checkpoint_every=2", "cluster.call_timeout_s=20"))
-    faults = {3: ("rollout", 0, signal.SIGKILL), 5: ("policy", 1, signal.SIGSTOP), 6: ("reward", 0, signal.SIGKILL)}
+    """Kill the rollout worker, a policy rank just before a checkpoint, freeze a policy rank (SIGSTOP: it
+    hangs, so the call times out), kill the reward worker, kill the rollout worker just before an evaluation:
+    run(on_failure="restore") rebuilds each, redoes the save and the evaluation it cut, and finishes; no row
+    or checkpoint is lost. Each fault fires from the step's metrics subscriber: after the step is recorded,
+    before the evaluation and the save that follow it."""
+    sess = rl.Session(small_cfg(*RAY, "cluster.train_ranks=2", "run.checkpoint_every=2", "run.eval_every=7",
+                                "cluster.call_timeout_s=20"))
+    faults = {3: ("rollout", 0, signal.SIGKILL), 4: ("policy", 1, signal.SIGKILL), 5: ("policy", 1, signal.SIGSTOP),
+              6: ("reward", 0, signal.SIGKILL), 7: ("rollout", 0, signal.SIGKILL)}
     done = set()
 
     def inject(row):
@@ -245,13 +250,15 @@ def test_run_on_failure_restore_survives_killed_and_hung_workers(ray_cluster, sm
             os.kill(sess.groups[role].info[rank]["pid"], sig)
     sess.on_step(inject)
     summary = sess.run(8, progress=False, on_failure="restore")
-    assert summary["steps"] == 8 and done == {3, 5, 6}
+    assert summary["steps"] == 8 and done == set(faults)
     run_dir = sess.run_dir
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
     assert [r["step"] for r in rows] == list(range(1, 9))
-    # the policy rank froze after step 5: the session went back to the step-4 checkpoint and redid step 5
-    superseded = [r["step"] for r in read_jsonl(run_dir / "metrics.superseded.jsonl")]
-    assert superseded == [5]
+    # the save at step 4 failed: back to step 2, steps 3-4 redone and saved; the policy rank frozen after
+    # step 5 hung step 6's update: back to step 4, step 5 redone
+    superseded = [r["step"] for r in read_jsonl(run_dir / "metrics.superseded.jsonl") if "reward/mean" in r]
+    assert superseded == [3, 4, 5]
     for step in (2, 4, 6, 8):
-        assert (run_dir / "checkpoints" / f"step_{step}" / "COMPLETE").exists()
+        assert (run_dir / "checkpoints" / f"step_{step}" / "MANIFEST.json").exists()
+    assert [e["step"] for e in sess.evals] == [0, 7, 8]  # the evaluation the dead rollout worker cut, redone
     sess.close()

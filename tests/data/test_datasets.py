@@ -50,7 +50,7 @@ def test_parquet_rows(tmp_path):
     numbered, problems = read_rows(p)
     ds = validate_rows(numbered, "q", 10, count_chars, str(p), problems)
     assert ds.rows == [{"q": "1+2=", "answer": "3", "prompt": "1+2="}]
-    assert ds.problems[0].row == 1
+    assert ds.problems[0].row == 2  # the second record (rows count from 1 in every format)
 
 
 def test_sampler_epochs_and_resume():
@@ -66,3 +66,43 @@ def test_sampler_epochs_and_resume():
     s3.load_state_dict(state)
     assert [s3.next_indices() for _ in range(3)] == first[1:]
     assert PromptSampler(4, 2, seed=0, shuffle=False).next_indices() == [0, 1]
+
+
+def test_files_are_read_by_content_with_every_bad_row_reported(tmp_path):
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    jsonl = "\n".join(json.dumps(r) for r in rows) + "\n"
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(jsonl.encode()))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "b.pq")
+    (tmp_path / "c.json").write_text(json.dumps(rows))
+    (tmp_path / "d.jsonl").write_bytes(b"\xef\xbb\xbf" + jsonl.encode())  # a byte-order mark
+    for name in ("a.jsonl.gz", "b.pq", "c.json", "d.jsonl"):
+        numbered, problems = read_rows(tmp_path / name)
+        assert [r for _, r in numbered] == rows and not problems, name
+    latin1 = tmp_path / "e.jsonl"
+    latin1.write_bytes(json.dumps({"prompt": "caf\u00e9=", "answer": "1"}, ensure_ascii=False).encode("latin-1")
+                       + b"\n" + json.dumps(rows[0]).encode() + b"\n")
+    numbered, problems = read_rows(latin1)
+    assert [r for _, r in numbered] == [rows[0]] and problems[0].row == 1 and "not UTF-8" in problems[0].reason
+
+
+def test_unusual_prompts_cost_their_row_not_the_file_or_the_time(tmp_path):
+    import time
+    rows = [(1, {"prompt": "\ud800=", "answer": "1"}), (2, {"prompt": "x" * 10_000_000}), (3, {"prompt": "1+1="})]
+
+    def tokens(s):  # a tokenizer's view: lone surrogates cannot be encoded
+        return len(s.encode("utf-8"))
+    t = time.perf_counter()
+    ds = validate_rows(rows, "prompt", 10, tokens, "f.jsonl", max_chars_per_token=5)
+    assert time.perf_counter() - t < 1.0  # the 10 MB prompt is refused by its length, never tokenised
+    assert [r["prompt"] for r in ds.rows] == ["1+1="]
+    assert "cannot be tokenised" in ds.problems[0].reason and "10000000 characters" in ds.problems[1].reason
+
+
+def test_a_row_field_that_clashes_with_the_phases_is_refused_naming_it(tmp_path):
+    rows = [(1, {"prompt": "1+1=", "group": "easy"})]
+    with pytest.raises(DatasetError, match=r"f.jsonl: row 1 has a field named 'group'.*rename it"):
+        validate_rows(rows, "prompt", 10, count_chars, "f.jsonl")

@@ -16,6 +16,12 @@ class Task:
     test_rows: list[dict]
     verifier: Callable[..., float]
 
+    @property
+    def max_positions(self) -> int | None:
+        """The model's positions (max_position_embeddings): prompt + response must fit in them."""
+        from transformers import AutoConfig
+        return getattr(AutoConfig.from_pretrained(str(self.model_dir)), "max_position_embeddings", None)
+
 
 def load_task(cfg: Config) -> Task:
     from . import arithmetic

@@ -30,5 +30,15 @@ class RolloutWorker:
         set_rng_state(state["rng"])
         self.weight_version = state["weight_version"]
 
+    def _mark(self) -> None:
+        """Called by `generate` before it draws: the state `rewind` returns to."""
+        self._before_generate = self.get_state()
+
+    def rewind(self) -> None:
+        """Back to the sampling RNG before the last `generate`: a step interrupted after its rollout never
+        happened, so the next one draws the same samples (what a resume from a checkpoint saved then needs)."""
+        if getattr(self, "_before_generate", None) is not None:
+            self.set_state(self._before_generate)
+
     def memory(self) -> dict:
         return memory_snapshot()  # of this process (a vLLM engine's own processes are not counted)

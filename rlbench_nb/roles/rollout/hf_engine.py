@@ -27,6 +27,7 @@ class HFRolloutWorker(RolloutWorker):
     @torch.no_grad()
     def generate(self, batch: Batch, params: RolloutConfig | None = None) -> Batch:
         """Sample one response per row (rows are already repeated n times per prompt)."""
+        self._mark()
         p = params or self.cfg.rollout
         parts = [self._generate(mb, p) for mb in batch.split(p.micro_batch_size)]
         width = max(x["response_ids_BR"].shape[1] for x in parts)

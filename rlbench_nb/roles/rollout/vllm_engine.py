@@ -73,6 +73,7 @@ class VLLMRolloutWorker(RolloutWorker):
     def generate(self, batch: Batch, params: RolloutConfig | None = None) -> Batch:
         """Sample one response per row (rows are already repeated n times per prompt)."""
         from vllm import SamplingParams
+        self._mark()
         p = params or self.cfg.rollout
         ids, mask = batch["prompt_ids_BP"], batch["prompt_mask_BP"].bool()
         prompts = [{"prompt_token_ids": row[m].tolist()} for row, m in zip(ids, mask)]
