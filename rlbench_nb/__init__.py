@@ -18,12 +18,14 @@ _EXPORTS = {
     "RLBenchError": "errors", "SessionStateError": "errors", "BackgroundRunError": "errors", "UsageError": "errors",
     "NonFiniteError": "errors", "CheckpointError": "checkpoint", "DatasetError": "data.datasets",
     "ClusterError": "cluster.errors", "WorkerError": "cluster.errors", "WorkerDiedError": "cluster.errors",
+    "WeightSyncError": "cluster.errors",
+    "load_rollouts": "rundir", "SnapshotError": "snapshots",
 }
 __all__ = sorted([*_EXPORTS, "inspect"])
 
 
 _SUBPACKAGES = {"algos", "cluster", "data", "metrics", "ops", "roles", "widgets", "session", "runner", "config",
-                "checkpoint", "errors", "export", "isolation", "prompts", "rundir", "guard"}
+                "checkpoint", "errors", "export", "isolation", "prompts", "rundir", "guard", "snapshots", "branches"}
 
 
 def __getattr__(name: str):

@@ -181,15 +181,31 @@ class RolloutConfig(_Section):
 
 
 class AlgoConfig(_Section):
-    advantage: Literal["grpo", "gae", "rloo", "reinforce_pp"] = "grpo"
+    advantage: str = "grpo"
     """Advantage estimator: grpo (Shao et al. 2024), gae (Schulman et al. 2016; needs the critic), rloo (Ahmadian et
-    al. 2024), reinforce_pp (Hu 2025)."""
+    al. 2024), reinforce_pp (Hu 2025), or the name of one registered with `@sess.advantage`."""
+    policy_loss: str = "ppo"
+    """Per-token policy loss: ppo (the clipped surrogate, with clip_low/clip_high/dual_clip), or the name of one
+    registered with `@sess.policy_loss`."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group std; false is Dr. GRPO (Liu et al. 2025)."""
     gamma: float = Field(1.0, ge=0, le=1)
     """GAE / REINFORCE++ discount."""
     lam: float = Field(1.0, ge=0, le=1)
     """GAE lambda."""
+    @field_validator("advantage", "policy_loss")
+    @classmethod
+    def _registered(cls, name: str, info) -> str:
+        """A built-in's name, or one registered with @sess.advantage / @sess.policy_loss."""
+        from .algos.advantages import ADVANTAGES
+        from .algos.losses import POLICY_LOSSES
+        registry, what = {"advantage": (ADVANTAGES, "estimator"),
+                          "policy_loss": (POLICY_LOSSES, "policy loss")}[info.field_name]
+        if name not in registry:
+            raise ValueError(f"unknown {what}; known: {sorted(registry)} (register yours with "
+                             f"@sess.{info.field_name} before naming it)")
+        return name
+
     clip_low: float = Field(0.2, ge=0, lt=1)
     """PPO ratio clip below 1 (epsilon_low)."""
     clip_high: float = Field(0.2, ge=0)
@@ -210,6 +226,16 @@ class AlgoConfig(_Section):
     """Adaptive KL controller target."""
     kl_horizon: int = Field(10000, ge=1)
     """Adaptive KL controller horizon."""
+    rollout_is: Literal["off", "tis", "mis"] = "off"
+    """Correction for sampling with the rollout engine's probabilities q instead of the trainer's p (vLLM,
+    bf16, staleness): tis weights each token's loss by min(p/q, rollout_is_cap) (truncated IS); mis drops
+    sequences whose ratio prod p/q leaves [1/cap, cap] (masked IS); off. Needs the trainer's old log-probs
+    (turns algo.reuse_logprobs off)."""
+    rollout_is_cap: float = Field(2.0, gt=1)
+    """The cap C of algo.rollout_is."""
+    mismatch_alarm: float | None = Field(0.05, gt=0)
+    """Warn (and set mismatch/alarm=1) when the mean |log p_trainer - log q_engine| of a step's tokens is above
+    this; null: never. An exact engine (HF on CPU in fp32) stays below 1e-5."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus coefficient."""
     value_clip: float = Field(0.5, gt=0)
@@ -315,7 +341,8 @@ class Config(_Section):
 
     @property
     def uses_critic(self) -> bool:
-        return self.algo.advantage == "gae"
+        from .algos.advantages import NEEDS_VALUES
+        return self.algo.advantage in NEEDS_VALUES
 
     @property
     def uses_reference(self) -> bool:

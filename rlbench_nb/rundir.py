@@ -68,13 +68,12 @@ class RunDir:
         write_json(self.path / "summary.json", summary, indent=2)
 
     def write_rollouts(self, batch: Batch, step: int) -> Path:
-        """rollouts/step_N.jsonl: one sample per line, with the names people see (`Batch.shown_fields`)."""
+        """rollouts/step_N.jsonl (see `rollout_rows`)."""
         d = self.path / "rollouts"
         d.mkdir(exist_ok=True)
         path = d / f"step_{step:06d}.jsonl"
-        fields = batch.shown_fields() | ({"group": "group"} if "group" in batch else {})
         with path.open("w", encoding="utf-8") as f:
-            for row in batch.rows(fields):
+            for row in rollout_rows(batch):
                 f.write(json.dumps(row, default=str) + "\n")
         return path
 
@@ -157,3 +156,77 @@ class Lease:
         holder = self.holder()
         if holder is not None and holder.get("token") == self.token:
             self.path.unlink(missing_ok=True)
+
+
+# ---- rollout files: what people read, and what a replay needs --------------------------------------
+TOKENS = "tokens"  # the per-row field holding token ids; the inspector leaves it out of its table
+
+
+def rollout_rows(batch: Batch) -> list[dict]:
+    """One dict per sample: the names people see (`Batch.shown_fields`), the group, and under "tokens"
+    what `load_rollouts` needs to rebuild the batch exactly: prompt and response token ids, the sampled
+    log-probs, and the padded widths of the batch they came from (the same shapes give the same numbers)."""
+    fields = batch.shown_fields() | ({"group": "group"} if "group" in batch else {})
+    rows = batch.rows(fields)
+    if "prompt_ids_BP" not in batch or "response_ids_BR" not in batch:
+        return rows
+    p_ids, p_mask = batch["prompt_ids_BP"], batch["prompt_mask_BP"].bool()
+    r_ids, r_mask = batch["response_ids_BR"], batch["response_mask_BR"].bool()
+    logprobs = batch.get("rollout_logprobs_BR")
+    widths = [p_ids.shape[1], r_ids.shape[1]]
+    pad = int(p_ids[~p_mask][0]) if (~p_mask).any() else None
+    for i, row in enumerate(rows):
+        tokens = {"prompt": p_ids[i][p_mask[i]].tolist(), "response": r_ids[i][r_mask[i]].tolist(),
+                  "widths": widths, "pad": pad}
+        if logprobs is not None:
+            tokens["logprobs"] = logprobs[i][r_mask[i]].tolist()  # float32 -> JSON -> float32 is exact
+        row[TOKENS] = tokens
+    return rows
+
+
+def load_rollouts(path: str | Path, pad_id: int | None = None) -> Batch:
+    """A batch rebuilt from a rollouts/step_N.jsonl file: tokens, masks, sampled log-probs, scores, groups
+    and the dataset row's fields, padded to the widths they were generated with. `sess.score(batch)`
+    re-scores it (the file's rewards stay beside as `reward_before`); `sess.replay(batch)` trains on it."""
+    import torch
+    path = Path(path)
+    try:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RLBenchError(f"cannot read rollouts from {path}: {e}") from None
+    if not rows:
+        raise RLBenchError(f"{path} holds no rollouts")
+    if any(TOKENS not in r for r in rows):
+        raise RLBenchError(f"{path} holds text only (written before rollout files kept token ids): it can be "
+                           "inspected and re-scored from text, but not replayed")
+    P = max(r[TOKENS]["widths"][0] for r in rows)
+    R = max(r[TOKENS]["widths"][1] for r in rows)
+    pad = rows[0][TOKENS].get("pad")
+    pad = pad if pad is not None else (pad_id if pad_id is not None else 0)
+    B = len(rows)
+    tensors = {"prompt_ids_BP": torch.full((B, P), pad, dtype=torch.long),
+               "prompt_mask_BP": torch.zeros(B, P, dtype=torch.long),
+               "response_ids_BR": torch.full((B, R), pad, dtype=torch.long),
+               "response_mask_BR": torch.zeros(B, R, dtype=torch.long)}
+    has_logprobs = all("logprobs" in r[TOKENS] for r in rows)
+    if has_logprobs:
+        tensors["rollout_logprobs_BR"] = torch.zeros(B, R, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        t = r[TOKENS]
+        n, m = len(t["prompt"]), len(t["response"])
+        tensors["prompt_ids_BP"][i, P - n:] = torch.tensor(t["prompt"], dtype=torch.long)
+        tensors["prompt_mask_BP"][i, P - n:] = 1
+        tensors["response_ids_BR"][i, :m] = torch.tensor(t["response"], dtype=torch.long)
+        tensors["response_mask_BR"][i, :m] = 1
+        if has_logprobs:
+            tensors["rollout_logprobs_BR"][i, :m] = torch.tensor(t["logprobs"], dtype=torch.float32)
+    tensors["response_len_B"] = tensors["response_mask_BR"].sum(-1)
+    known = {"prompt", "response", "reward", "reward_before", "advantage", "length", "reward_error", "group", TOKENS}
+    row_fields = sorted({k for r in rows for k in r} - known)
+    meta = {"prompt": [r["prompt"] for r in rows], "response": [r["response"] for r in rows],
+            "group": [r.get("group", f"row-{i}") for i, r in enumerate(rows)],
+            **{k: [r.get(k) for r in rows] for k in row_fields}}
+    if all("reward" in r for r in rows):
+        tensors["scores_B"] = torch.tensor([float(r["reward"]) for r in rows], dtype=torch.float32)
+        meta["reward_error"] = [r.get("reward_error") for r in rows]
+    return Batch(tensors, meta, {"row_fields": row_fields, "source": str(path)})

@@ -73,7 +73,8 @@ def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, on_failu
                     bar.set_postfix(reward=f"{row['reward/mean']:.3f}", step_s=f"{row['time/step_s']:.2f}")
                     _catch_up(sess, start)
                 after = sess.evals[-1] if sess.evals and sess.evals[-1]["step"] == sess.step_count else sess.evaluate()
-                sess.save(f"step_{sess.step_count}")
+                if sess._branch is None:  # a branch keeps its end state in memory (branches.py), not on disk
+                    sess.save(f"step_{sess.step_count}")
                 break
             except WorkerError as e:
                 if sess.step_count > failed_at:  # got past the last failure: a new fault, a fresh budget

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 import time
 import weakref
 from collections.abc import Callable
@@ -33,8 +34,10 @@ from .algos import (
     compute_advantages,
     make_kl_controller,
     masked_mean,
+    mismatch_metrics,
     outcome_token_rewards,
     reference_kl,
+    rollout_is_weights,
     sequence_advantage,
 )
 from .cluster.workers import Workers
@@ -117,6 +120,10 @@ class Session:
         self.background = None              # the BackgroundRun, when one was started
         self._rollout_stale = False         # a weight push failed after an update: push before generating
         self.last_saved_step: int | None = None  # the step of this session's newest checkpoint
+        self._snapshots: set[str] = set()   # keys the workers hold (snapshots.py)
+        self._branch = None                 # the Branch being run (branches.py), or None: the main line
+        self.branches: dict = {}            # name -> Branch, every branch this session ran
+        self._custom_losses: dict = {}      # name -> policy loss shipped to the policy workers
         if _attach:
             self.load_controller_state(self.rundir.read_state())
         self.state = "ready"
@@ -242,6 +249,8 @@ class Session:
             with compute.timed(m, "time/score_s"):
                 scored = self.groups["reward"].call_split("score", reward_inputs(batch))
             out = batch.replace(scored)
+            if "scores_B" in batch:  # re-scoring: the earlier reward stays beside the new one
+                out["scores_before_B"] = batch["scores_B"]
             for stale in ("advantages_BR", "returns_BR", "advantage"):
                 out.tensors.pop(stale, None)
                 out.meta.pop(stale, None)
@@ -266,6 +275,14 @@ class Session:
             elif not self._reuses_logprobs():
                 out.update(self.groups["policy"].call_split("compute_logprobs", batch))
             mask = batch["response_mask_BR"].float()
+            if "old_logprobs_BR" in out and "rollout_logprobs_BR" in batch and not batch.info.get("off_policy"):
+                # the engine's sampler vs the trainer on the same tokens and weights (reused: the policy
+                # worker measures it in its update, from the same forward)
+                m.update(mismatch_metrics(batch["rollout_logprobs_BR"], out["old_logprobs_BR"], mask))
+                if a.rollout_is != "off":
+                    out["is_weights_BR"], is_stats = rollout_is_weights(
+                        out["old_logprobs_BR"], batch["rollout_logprobs_BR"], mask, a.rollout_is, a.rollout_is_cap)
+                    m.update(is_stats)
             rewards = outcome_token_rewards(batch["scores_B"], mask)
             if "reference" in self.groups:
                 out.update(self.groups["reference"].call_split("compute_logprobs", batch))
@@ -292,7 +309,7 @@ class Session:
         """algo.reuse_logprobs, where it is exact: the update's first forward sees the weights that sampled."""
         t = self.cfg.train
         return (self.cfg.algo.reuse_logprobs and t.epochs == 1 and t.mini_batches == 1
-                and "reference" not in self.groups)
+                and "reference" not in self.groups and self.cfg.algo.rollout_is == "off")
 
     def update(self, batch: Batch) -> dict:
         """Critic and policy optimizer steps on `batch`, then the weights to the rollout engine. Ends the
@@ -307,6 +324,7 @@ class Session:
             m.update({"time/update_s": seconds, **compute.memory_metrics(self.groups),
                       **compute.throughput(batch, "update", seconds, self.cfg.train.epochs)})
             m["time/step_s"] = compute.step_seconds(m, batch.info.get("wall_start"))
+            self._mismatch_alarm(m)
             self._commit_step(batch, m)
             return m
 
@@ -340,6 +358,19 @@ class Session:
             self._rollout_stale = True
             self._commit_step(batch, m)
             raise
+
+    def _mismatch_alarm(self, m: dict) -> None:
+        """mismatch/alarm: the engine's log-probs drifted from the trainer's past algo.mismatch_alarm (a stale
+        or half-loaded engine, a dtype or kernel difference): said once per step, and shown in the dashboard."""
+        limit, seen = self.cfg.algo.mismatch_alarm, m.get("mismatch/logp_abs_mean")
+        if limit is None or seen is None:
+            return
+        m["mismatch/alarm"] = float(seen > limit)
+        if seen > limit:
+            log.warning("step %d: the rollout engine's log-probs differ from the trainer's by %.4f per token on "
+                        "average (max %.4f; alarm above algo.mismatch_alarm=%g): check the weight sync and the "
+                        "engine's dtype, or correct with algo.rollout_is=tis", self.step_count + 1, seen,
+                        m.get("mismatch/logp_abs_max", float("nan")), limit)
 
     def _commit_step(self, batch: Batch, m: dict) -> None:
         """The step's bookkeeping, all together: step count, KL controller, metrics row, controller state."""
@@ -397,22 +428,115 @@ class Session:
 
         The function must survive pickling (cloudpickle, as Ray ships it), under every backend, so a
         notebook that works locally works on a cluster."""
-        if not callable(fn):
-            raise UsageError(f"set_reward needs a function, got {type(fn).__name__}")
-        try:
-            from ray import cloudpickle
-            cloudpickle.dumps(fn)
-        except Exception as e:
-            raise UsageError(f"reward function '{getattr(fn, '__name__', fn)}' cannot be shipped to the reward "
-                             f"workers: {type(e).__name__}: {e} — define it at the top level of a cell and keep "
-                             "locks, open files, sessions and models out of what it captures") from None
+        from .algos.custom import shippable
+        shippable(fn, "reward function", "reward workers")
         with self._phase("set_reward"):
-            self._reward_fn = fn
-            self.workers.replace_args("reward", fn, self.cfg.reward, self.cfg.cluster.backend == "local")
-            self.groups["reward"].call("set_fn", fn)
+            self._use_reward(fn)
         return fn
 
     reward = set_reward  # as a decorator: @sess.reward
+
+    def _use_reward(self, fn: Callable[..., float]) -> None:
+        self._reward_fn = fn
+        self.workers.replace_args("reward", fn, self.cfg.reward, self.cfg.cluster.backend == "local")
+        self.groups["reward"].call("set_fn", fn)
+
+    def advantage(self, fn: Callable) -> Callable:
+        """Register an advantage estimator under its function's name (a decorator: `@sess.advantage`);
+        `algo.advantage=<name>` then uses it (in `configure`, a branch, or a config loaded afterwards).
+
+        Signature: `fn(rewards_BR, mask_BR, *, group_ids, values_BR=None, cfg) -> (advantages_BR,
+        returns_BR or None)`, `cfg` being the AlgoConfig. It runs in the controller (in `prepare`). It is
+        tried on a two-sample batch first: one that fails is refused with the reason."""
+        from .algos.advantages import ADVANTAGES
+        from .algos.custom import check_advantage
+        check_advantage(fn, self.cfg.algo)
+        ADVANTAGES[fn.__name__] = fn
+        return fn
+
+    def policy_loss(self, fn: Callable) -> Callable:
+        """Register a per-token policy loss under its function's name (a decorator: `@sess.policy_loss`) and
+        ship it to every policy worker; `algo.policy_loss=<name>` then uses it.
+
+        Signature: `fn(logprobs_BR, old_logprobs_BR, advantages_BR, mask_BR, *, cfg) -> loss_BR` or
+        `(loss_BR, {stat: float})`; the worker aggregates loss_BR with `algo.loss_agg`. It is tried on a
+        two-sample batch and must survive pickling (Ray ships it): either failing is refused with the reason."""
+        from .algos.custom import check_policy_loss, shippable
+        from .algos.losses import POLICY_LOSSES
+        check_policy_loss(fn, self.cfg.algo)
+        shippable(fn, "policy loss", "policy workers")
+        with self._phase("policy_loss"):
+            POLICY_LOSSES[fn.__name__] = fn
+            self._custom_losses[fn.__name__] = fn
+            self.groups["policy"].call("register_policy_loss", fn.__name__, fn)
+        return fn
+
+    def configure(self, *overrides: str) -> Config:
+        """Change settings of the main line from here on (`"train.lr=1e-4"`, `"algo.advantage=my_fn"`): the
+        same changes a branch may make (branches.variant); written to the run's config.yaml."""
+        from .branches import variant
+        cfg = variant(self.cfg, overrides).override(f"run.checkpoint_every={self.cfg.run.checkpoint_every}")
+        with self._phase("configure"):
+            self._use_config(cfg)
+            self.rundir.write_config(cfg)
+        return cfg
+
+    def _use_config(self, cfg: Config) -> None:
+        """Every worker and the controller's own parts onto `cfg` (shapes and roles unchanged: branches.variant)."""
+        old, self.cfg, self.workers.cfg = self.cfg, cfg, cfg
+        for g in self.groups.values():
+            g.call("set_config", cfg)
+        self.sampler.batch_size = cfg.data.batch_size
+        kl = ("kl_coef", "kl_ctrl", "target_kl", "kl_horizon")
+        if any(getattr(old.algo, k) != getattr(cfg.algo, k) for k in kl):
+            self.kl_ctrl = make_kl_controller(cfg.algo)
+
+    # ---- what if (snapshots.py, branches.py) -------------------------------------------------------
+    def snapshot(self, to_disk: bool = False):
+        """Everything a step depends on, kept in the workers' memory (or in RUN_DIR/snapshots with
+        `to_disk=True`): `sess.restore(snap)` comes back to exactly this point."""
+        from . import snapshots
+        with self._phase("snapshot"):
+            return snapshots.take(self, to_disk)
+
+    def restore(self, snap) -> Session:
+        """Back to a snapshot: weights, optimizer state, RNG, data position, KL controller, step, config and
+        reward function. Metric rows written since move to metrics.superseded.jsonl."""
+        from . import snapshots
+        with self._phase("restore", changes_state=True, repairs=True):
+            snapshots.restore(self, snap)
+        return self
+
+    def branch(self, name: str, *overrides: str, reward: Callable | None = None):
+        """`with sess.branch("clip-0.28", "algo.clip_high=0.28") as b: b.run(20)`: a variant from this point,
+        then back to the main line exactly as it was (branches.py)."""
+        from .branches import branch
+        return branch(self, name, overrides, reward)
+
+    def fork(self, name: str, steps: int, *overrides: str, reward: Callable | None = None, progress: bool = True):
+        """`steps` steps of a variant from here, then back: returns the Branch (its rows, evaluations, end state)."""
+        from .branches import fork
+        return fork(self, name, steps, overrides, reward, progress)
+
+    def adopt(self, branch) -> Session:
+        """Continue the main line from the end of a branch (its weights, optimizer, data position, settings)."""
+        from .branches import adopt
+        with self._phase("adopt", changes_state=True, repairs=True):
+            adopt(self, branch)
+        return self
+
+    def replay(self, batch: Batch, *overrides: str, name: str = "replay"):
+        """prepare + update on a batch that already exists (a variable, or `rl.load_rollouts(file)`), with
+        `overrides`, on a branch: the update's metrics and each parameter's relative weight change; the
+        session comes back untouched."""
+        from .branches import replay
+        return replay(self, batch, overrides, name)
+
+    def compare(self, *runs, metrics: list[str] | None = None, last: int = 5):
+        """Branches and replays side by side: a table of each metric (mean of the `last` steps) and its
+        difference from the first, and their curves overlaid (`.figure()`)."""
+        from .widgets.comparison import Comparison
+        return Comparison(list(runs), metrics=metrics, last=last)
 
     # ---- runs -----------------------------------------------------------------------------------
     def run(self, steps: int | None = None, *, progress: bool = True, async_rollout: bool = False,
@@ -480,6 +604,11 @@ class Session:
                 "weights from; save regularly (run.checkpoint_every) or start a new session")
         with self._phase("restart", changes_state=True, repairs=bool(trainers)):
             rebuilt = self.workers.restart(*roles)
+            for role in rebuilt:  # built from the session's first config: bring them onto the current one
+                self.groups[role].call("set_config", self.cfg)
+            if "policy" in rebuilt:
+                for loss_name, fn in self._custom_losses.items():
+                    self.groups["policy"].call("register_policy_loss", loss_name, fn)
             if trainers:
                 checkpoint.restore(self, checkpoint.resolve(self.run_dir))
             elif "rollout" in rebuilt:
@@ -535,6 +664,8 @@ class Session:
             self.background.stop()
         if hasattr(self, "metrics"):
             self.metrics.close()
+        for key in getattr(self, "_snapshots", ()):  # files of snapshots on disk (memory goes with the workers)
+            shutil.rmtree(self.run_dir / "snapshots" / key, ignore_errors=True)
         if hasattr(self, "workers"):
             self.workers.close()
         cluster.disconnect(self.cfg)

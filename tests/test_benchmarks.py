@@ -11,13 +11,14 @@ from .conftest import REPO
 
 @pytest.mark.parametrize("script, args", [
     ("benchmarks/controller_overhead.py", ["--calls", "2", "--steps", "1", "--backends", "local", "ray-colocated"]),
-    ("benchmarks/async_overlap.py", ["--steps", "1", "data.batch_size=4", "rollout.n=2", "task.num_test=8",
-                                     "cluster.train_ranks=1"]),
+    pytest.param("benchmarks/async_overlap.py", ["--steps", "1", "data.batch_size=4", "rollout.n=2", "task.num_test=8",
+                                                  "cluster.train_ranks=1"], marks=pytest.mark.slow),
     ("benchmarks/logprob_memory.py", ["--tokens", "64", "--vocab", "1000", "--hidden", "32"]),
     ("benchmarks/rollout_throughput.py", ["--sizes", "tiny", "--engines", "plain", "hf", "--repeats", "1"]),
     ("benchmarks/gpu_smoke.py", ["--tiny", "--steps", "1"]),
     ("benchmarks/soak.py", ["--steps", "3", "--every", "1"]),
     ("benchmarks/reward_isolation.py", ["--batches", "4", "--reps", "1"]),
+    ("benchmarks/whatif.py", ["--backends", "local", "--reps", "1"]),
     pytest.param("benchmarks/vs_trl.py", ["--backends", "local", "--steps", "1", "--warmup", "0", "--reps", "1"],
                  marks=pytest.mark.skipif(importlib.util.find_spec("trl") is None,
                                           reason="TRL is a benchmark-only dependency: pip install trl")),

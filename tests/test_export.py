@@ -109,7 +109,7 @@ def test_percent_twin_comments_magics_out_and_stays_valid_python(tmp_path):
 
 
 def _training_rows(path):
-    drop = ("time/", "throughput/", "memory/", "sync/s")
+    drop = ("time/", "throughput/", "memory/", "sync/s", "sync/verify_s")
     return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in read_jsonl(path) if "reward/mean" in r]
 
 

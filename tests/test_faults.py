@@ -28,7 +28,7 @@ TRAIN = [*SMALL, "run.tensorboard=false", "run.save_rollouts_every=0", "run.chec
 
 def _rows(run_dir: Path) -> list[dict]:
     """Training rows without wall-clock quantities."""
-    drop = ("time/", "throughput/", "memory/", "sync/s")
+    drop = ("time/", "throughput/", "memory/", "sync/s", "sync/verify_s")
     return [{k: v for k, v in r.items() if not k.startswith(drop)}
             for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
 

@@ -58,7 +58,7 @@ for _ in range(steps - quiet_from):
     again.step()
 resumed = [r for r in read_jsonl(run_dir.parent / "resumed" / "metrics.jsonl") if "reward/mean" in r]
 again.close()
-drop = ("time/", "throughput/", "memory/", "sync/s")
+drop = ("time/", "throughput/", "memory/", "sync/s", "sync/verify_s")
 strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
 checks["steps"] = [r["step"] for r in straight]
 checks["resume_matches"] = strip(resumed) == strip(straight[quiet_from:])

@@ -52,3 +52,17 @@ def test_cluster_notebook_attaches_and_overlaps(ray_head, tmp_path):
     assert "policy     rank 1" in text  # two FSDP ranks
     m = re.search(r"(\d+) steps on (\d+) policy ranks; rollout overlapped (\d+)%", text)
     assert m and m.group(1) == "3" and m.group(2) == "2" and int(m.group(3)) > 0
+
+
+def test_what_if_notebook_replays_forks_compares_and_keeps_one(tmp_path):
+    text = execute("04_what_if.ipynb", f"steps = 2\nbranch_steps = 2\nrun_dir = {str(tmp_path)!r}\n"
+                                       f"overrides = {[*SMALL, 'run.tensorboard=false', 'task.num_test=16']!r}")
+    assert re.search(r"main line: step 2, held-out accuracy [\d.]+", text)
+    assert re.search(r"\d+ of 32 samples will be pushed down", text)
+    for name in ("clip-0.1", "clip-0.28", "clipped-reinforce"):
+        assert re.search(rf"{name}: largest relative weight change \d\.\d\de-\d\d in model\.", text), name
+    assert "still at step 2" in text  # three replays, and the session is where it was
+    assert re.search(r"loss/policy\s+[-\d.e]+\s+[-\d.e]+\s+[-\d.e]+", text)  # the comparison table's row
+    kept = re.search(r"kept (lr-5e-5|lr-4e-4): step 4, held-out accuracy [\d.]+, lr (5e-05|0.0004)", text)
+    assert kept and {"lr-5e-5": "5e-05", "lr-4e-4": "0.0004"}[kept.group(1)] == kept.group(2)
+    assert (tmp_path / "branches" / "lr-5e-5" / "metrics.jsonl").exists()

@@ -135,7 +135,7 @@ def test_a_reward_that_cannot_be_shipped_is_refused_with_the_reason(small_cfg):
 
 def _strip(rows):
     """Training rows without wall-clock quantities (time, throughput, memory, sync seconds)."""
-    drop = ("time/", "throughput/", "memory/", "sync/s")
+    drop = ("time/", "throughput/", "memory/", "sync/s", "sync/verify_s")
     return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows if "reward/mean" in r]
 
 

@@ -10,5 +10,6 @@ from .advantages import (
                          sequence_advantage,
 )
 from .kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty, make_kl_controller, reference_kl
-from .losses import agg_loss, entropy_from_logits, ppo_policy_loss, value_loss
+from .losses import POLICY_LOSSES, agg_loss, entropy_from_logits, policy_loss, ppo_policy_loss, value_loss
 from .masked import masked_mean, masked_var, masked_whiten
+from .mismatch import mismatch_metrics, rollout_is_weights

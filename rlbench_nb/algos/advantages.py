@@ -112,13 +112,18 @@ def gae_advantages(rewards_BR: torch.Tensor, values_BR: torch.Tensor, mask_BR: t
 
 
 # ---- registry: one calling convention for the controller ---------------------------------------
+# An estimator: fn(rewards_BR, mask_BR, *, group_ids, values_BR=None, cfg) -> (advantages_BR, returns_BR or
+# None); `cfg` is the AlgoConfig. Registered by name; `algo.advantage` names one (`@sess.advantage` adds yours).
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 ADVANTAGES: dict[str, AdvantageFn] = {}
+NEEDS_VALUES: set[str] = set()  # estimators that read the critic's values: algo.advantage=<one> starts a critic
 
 
-def register(name: str):
+def register(name: str, needs_values: bool = False):
     def deco(fn):
         ADVANTAGES[name] = fn
+        if needs_values:
+            NEEDS_VALUES.add(name)
         return fn
     return deco
 
@@ -139,7 +144,7 @@ def _reinforce_pp(rewards_BR, mask_BR, *, group_ids, values_BR=None, cfg):
     return reinforce_pp_advantages(rewards_BR, mask_BR, cfg.gamma), None
 
 
-@register("gae")
+@register("gae", needs_values=True)
 def _gae(rewards_BR, mask_BR, *, group_ids, values_BR=None, cfg):
     if values_BR is None:
         raise ValueError("algo.advantage=gae needs critic values; the critic role did not run")

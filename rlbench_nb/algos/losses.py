@@ -6,6 +6,8 @@ and verl's `core_algos.py`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .masked import masked_mean
@@ -81,3 +83,24 @@ def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) per position: logsumexp(z) - sum softmax(z) * z."""
     logits = logits_BTV.float()
     return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+# ---- registry: the per-token policy loss the policy worker uses (algo.policy_loss) ---------------
+# fn(logprobs_BR, old_logprobs_BR, advantages_BR, mask_BR, *, cfg) -> loss_BR, or (loss_BR, {stat: float});
+# `cfg` is the AlgoConfig. The worker aggregates loss_BR with algo.loss_agg. `@sess.policy_loss` adds yours.
+PolicyLossFn = Callable[..., "torch.Tensor | tuple[torch.Tensor, dict]"]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def _ppo(logprobs_BR, old_logprobs_BR, advantages_BR, mask_BR, *, cfg):
+    return ppo_policy_loss(logprobs_BR, old_logprobs_BR, advantages_BR, mask_BR, cfg.clip_low, cfg.clip_high,
+                           cfg.dual_clip)
+
+
+POLICY_LOSSES["ppo"] = _ppo
+
+
+def policy_loss(name: str, logprobs_BR, old_logprobs_BR, advantages_BR, mask_BR, cfg) -> tuple[torch.Tensor, dict]:
+    """(loss_BR, stats) with the loss registered under `name`."""
+    out = POLICY_LOSSES[name](logprobs_BR, old_logprobs_BR, advantages_BR, mask_BR, cfg=cfg)
+    return out if isinstance(out, tuple) else (out, {})

@@ -78,3 +78,8 @@ class WorkerError(RLBenchError, RuntimeError):
 
 class WorkerDiedError(WorkerError):
     """The worker's process is gone (killed, out of memory, crashed)."""
+
+
+class WeightSyncError(WorkerError):
+    """A rollout rank does not hold the weights just pushed to it (the load was skipped, or went into a
+    copy the engine does not use): found by comparing fingerprints after the push."""

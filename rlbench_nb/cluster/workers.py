@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import UsageError
 from . import host_role, make_group, reattach_group
 from .base import WorkerGroup
+from .errors import WeightSyncError
 
 # role -> (worker class, constructor arguments): what `restart(role)` rebuilds from
 RoleSpecs = dict[str, tuple[type, tuple]]
@@ -82,15 +83,23 @@ class Workers:
         # a collective when sharded: all ranks. Under Ray the rollout's call is queued on a reference to
         # rank 0's result, so the bytes go policy -> rollout without a round trip through this process
         pending = policy.submit_stored("get_weights", to=rollout)
-        return t0, pending, rollout.submit("set_weights", pending.stored[0], version)
+        return t0, pending, rollout.submit("set_weights", pending.stored[0], version), version
 
     def finish_sync(self, started: tuple, since: float | None = None) -> dict:
-        """Wait for the push; `sync/s` counts from its start, or from `since`."""
-        t0, pending, push = started
+        """Wait for the push; `sync/s` counts from its start, or from `since`. An engine that does not hold
+        what was sent is a WeightSyncError naming rank and tensor."""
+        t0, pending, push, version = started
         self.groups["policy"].collect(pending)  # first: when the policy failed, its own error names it
         res = self.groups["rollout"].collect(push)
         out = {"sync/s": time.perf_counter() - (since or t0), "sync/bytes": sum(r["bytes"] for r in res)}
-        for key in res[0].keys() - {"bytes"}:  # an engine's own timings (vLLM: write_s, reload_s), slowest rank
+        for rank, r in enumerate(res):  # engines that verify their load (HF) say which tensor is not as sent
+            if r.get("mismatch"):
+                raise WeightSyncError("rollout", rank, "set_weights",
+                                      f"after loading weights version {version} the engine's '{r['mismatch']}' "
+                                      "differs from what the policy sent (the load was skipped or went into a "
+                                      "copy the engine does not use); the next rollout pushes them again")
+        out["sync/verified"] = float(all("mismatch" in r for r in res))
+        for key in res[0].keys() - {"bytes", "mismatch"}:  # an engine's own timings (vLLM: write_s, reload_s)
             out[f"sync/{key}"] = max(r[key] for r in res)
         return out
 

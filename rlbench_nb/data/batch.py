@@ -29,8 +29,9 @@ from .packed import PackedTensors
 
 # What people see (the batch's table, rollout files, the inspector) -> the batch field it comes from, in
 # this order. Dataset row fields (e.g. `answer`) are shown under their own names after `response`.
-SHOWN_FIELDS = {"prompt": "prompt", "response": "response", "reward": "scores_B", "advantage": "advantage",
-                "length": "response_len_B", "reward_error": "reward_error"}
+SHOWN_FIELDS = {"prompt": "prompt", "response": "response", "reward": "scores_B",
+                "reward_before": "scores_before_B", "advantage": "advantage", "length": "response_len_B",
+                "reward_error": "reward_error"}
 
 
 class Batch:

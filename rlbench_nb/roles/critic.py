@@ -13,6 +13,7 @@ from ..data.batch import Batch
 from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
 from .common import DTYPES, full_sequences, make_adamw, pick_device, read_safetensors, response_hidden_slice
+from .snapshots import SnapshotHolder
 from .trainer import optimizer_steps
 
 
@@ -33,7 +34,7 @@ class ValueModel(nn.Module):
         return self.head(h).squeeze(-1).float().clone()  # not a view: FSDP2's backward hooks need a fresh tensor
 
 
-class CriticWorker:
+class CriticWorker(SnapshotHolder):
     role = "critic"
 
     def __init__(self, cfg: Config, model_dir: str):
@@ -47,6 +48,13 @@ class CriticWorker:
         self.autocast = compute != torch.float32 and not self.sharded
         t = cfg.train
         self.optimizer = make_adamw(self.model.parameters(), t.critic_lr, t.betas, t.weight_decay, self.sharded)
+
+    def set_config(self, cfg: Config) -> None:
+        """Settings that do not change shapes (a branch's value clip, lr, micro-batch size)."""
+        self.cfg = cfg
+        t = cfg.train
+        for group in self.optimizer.param_groups:
+            group.update(lr=t.critic_lr, betas=t.betas, weight_decay=t.weight_decay)
 
     def _values(self, batch: Batch) -> torch.Tensor:
         ids, mask, pos = (x.to(self.device) for x in full_sequences(batch))

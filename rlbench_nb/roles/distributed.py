@@ -25,6 +25,13 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    if world_size() > 1:
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
 def shard(model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype | None = None) -> bool:
     """FSDP2 (`fully_shard`) each decoder layer, then the root, over all ranks. Returns whether it sharded.
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..algos import agg_loss, kl_penalty, ppo_policy_loss
+from ..algos import POLICY_LOSSES, agg_loss, kl_penalty, policy_loss
 from ..checkpoint import load_tensors
 from ..config import Config
 from ..data.batch import Batch
@@ -17,6 +17,7 @@ from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
 from .common import DTYPES, load_causal_lm, make_adamw, pick_device, read_safetensors, rng_state, set_rng_state
 from .scorer import TokenScorer
+from .snapshots import SnapshotHolder
 from .trainer import optimizer_steps
 
 
@@ -61,6 +62,11 @@ class ReferenceWorker:
     def memory(self) -> dict:
         return memory_snapshot()
 
+    def set_config(self, cfg: Config) -> None:
+        """Settings that do not change shapes (a branch's algorithm, loss, sampling temperature, lr)."""
+        self.cfg = cfg
+        self.scorer.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+
     def local_shards(self) -> dict[str, tuple[tuple, str]]:
         """(shape, dtype) of this rank's parameter shards (the full tensors when not sharded)."""
         from torch.distributed.tensor import DTensor
@@ -68,7 +74,7 @@ class ReferenceWorker:
         return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in local.items()}
 
 
-class PolicyWorker(ReferenceWorker):
+class PolicyWorker(SnapshotHolder, ReferenceWorker):
     """The trained policy: log-probs under the current weights, and the clipped policy-gradient update."""
 
     role = "policy"
@@ -82,6 +88,12 @@ class PolicyWorker(ReferenceWorker):
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, key: str = "old_logprobs_BR") -> Batch:
         return super().compute_logprobs(batch, key)
+
+    def set_config(self, cfg: Config) -> None:
+        super().set_config(cfg)
+        t = cfg.train
+        for group in self.optimizer.param_groups:
+            group.update(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
 
     def update(self, batch: Batch, kl_coef: float) -> dict:
         """Epochs x mini-batches optimizer steps on this batch (roles/trainer.py); returns mean stats, and
@@ -99,19 +111,26 @@ class PolicyWorker(ReferenceWorker):
         lp, ent = self._forward(mb, with_entropy=True)
         # without old log-probs (algo.reuse_logprobs) the policy is the one that sampled: ratio 1
         old = mb["old_logprobs_BR"].to(self.device) if "old_logprobs_BR" in mb else lp.detach()
-        pg_BR, pg_stats = ppo_policy_loss(lp, old, mb["advantages_BR"].to(self.device), mask,
-                                          a.clip_low, a.clip_high, a.dual_clip)
+        pg_BR, pg_stats = policy_loss(a.policy_loss, lp, old, mb["advantages_BR"].to(self.device), mask, a)
+        if "is_weights_BR" in mb:  # algo.rollout_is: the engine sampled from q, not from the trainer's p
+            pg_BR = pg_BR * mb["is_weights_BR"].to(self.device)
         pg_loss = agg_loss(pg_BR, mask, a.loss_agg, **counts)
         ent_loss = agg_loss(ent, mask, a.loss_agg, **counts)
         loss = pg_loss - a.entropy_coef * ent_loss if a.entropy_coef > 0 else pg_loss
         stats = {"loss/policy": pg_loss.item(), "entropy": ent_loss.item(),
                  **{f"actor/{k}": v * share for k, v in pg_stats.items()}}
+        if "old_logprobs_BR" not in mb and "rollout_logprobs_BR" in mb:  # reused: this forward is the trainer's
+            stats.update(_mismatch_shares(lp.detach(), mb["rollout_logprobs_BR"].to(self.device), mask, counts))
         if kl_coef > 0 and a.kl_in == "loss":
             kl_loss = agg_loss(kl_penalty(lp, mb["ref_logprobs_BR"].to(self.device), a.kl_estimator), mask,
                                a.loss_agg, **counts)
             loss = loss + kl_coef * kl_loss
             stats["loss/kl"] = kl_loss.item()
         return loss, stats
+
+    def register_policy_loss(self, name: str, fn) -> None:
+        """A loss defined in the controller (`@sess.policy_loss`), shipped here by name."""
+        POLICY_LOSSES[name] = fn
 
     def optimizer_steps(self) -> int:
         """Optimizer steps taken so far (AdamW's own count): what the session's step count must agree with."""
@@ -143,3 +162,16 @@ class PolicyWorker(ReferenceWorker):
         extra = load_tensors(path / "trainer_state.pt", map_location="cpu" if self.sharded else self.device)
         dist_util.load_full_optimizer_state(self.model, self.optimizer, extra["optimizer"], self.sharded)
         set_rng_state(extra["rng"])
+
+
+def _mismatch_shares(trainer_BR: torch.Tensor, rollout_BR: torch.Tensor, mask: torch.Tensor, counts: dict) -> dict:
+    """algos.mismatch_metrics as this micro-batch's shares of the mini-batch's values (they add up over
+    micro-batches and ranks; `_max` statistics are maxima: roles/trainer.py reduces them so)."""
+    delta = (trainer_BR - rollout_BR).clamp(-20, 20) * mask
+    per_seq = delta.sum(-1) / mask.sum(-1).clamp(min=1)
+    has_tokens = (mask.sum(-1) > 0).float()
+    seq_err = ((torch.exp(per_seq) - 1).abs() * has_tokens).sum()
+    return {"mismatch/logp_abs_mean": (delta.abs().sum() / counts["num_tokens"]).item(),
+            "mismatch/logp_abs_max": delta.abs().max().item(),
+            "mismatch/prob_ratio_err": (seq_err / counts["num_seqs"]).item(),
+            "mismatch/kl_k3": (((torch.exp(delta) - 1 - delta) * mask).sum() / counts["num_tokens"]).item()}

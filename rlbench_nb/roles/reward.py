@@ -73,6 +73,10 @@ class RewardWorker:
     def set_fn(self, fn: RewardFn) -> None:
         self.fn = fn
 
+    def set_config(self, cfg) -> None:
+        """A branch's reward settings (timeout; isolation as far as the pools already started allow)."""
+        self.cfg = cfg.reward
+
     @property
     def isolation(self) -> str:
         """'process' or 'thread': where the current function's calls run."""

@@ -58,17 +58,21 @@ def _optimizer_step(model, optimizer, mini: Batch, t: TrainConfig, loss_fn: Loss
             optimizer.zero_grad(set_to_none=True)
             return "loss"
         (loss * world).backward()
-        for k, v in stats.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
+        for k, v in stats.items():  # shares add up; a `_max` statistic is the largest
+            sums[k] = max(sums.get(k, float("-inf")), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
     grad_norm = dist_util.local_scalar(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip))
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         return "grad"
     optimizer.step()
     _check_finite_weights(model, optimizer, grad_norm)
-    keys = sorted(sums)  # shards' contributions -> the mini-batch's values, the same on every rank
+    keys = sorted(k for k in sums if not k.endswith("_max"))  # shards' shares -> the mini-batch's values
     totals = dist_util.all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
     out = dict(zip(keys, totals.tolist()))
+    maxima = sorted(k for k in sums if k.endswith("_max"))
+    if maxima:  # every rank reports the same keys (the same loss on the same fields)
+        out.update(zip(maxima, dist_util.all_reduce_max(torch.tensor([sums[k] for k in maxima],
+                                                                     dtype=torch.float64)).tolist()))
     out[grad_norm_key] = grad_norm
     return out
 

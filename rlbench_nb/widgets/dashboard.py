@@ -15,6 +15,7 @@ PANELS = [  # (title, [(metric key, trace name)])
     ("held-out accuracy", [("eval/accuracy", "greedy")]),
     ("response length", [("response_len/mean", "mean")]),
     ("KL", [("kl/ref", "to reference"), ("actor/approx_kl", "old→new")]),
+    ("train–inference mismatch |Δ log p|", [("mismatch/logp_abs_mean", "mean"), ("mismatch/logp_abs_max", "max")]),
     ("entropy", [("entropy", "entropy")]),
     ("loss", [("loss/policy", "policy"), ("loss/value", "value")]),
     ("clip fraction", [("actor/clip_frac", "clip")]),
@@ -110,6 +111,20 @@ class Dashboard:
         self._draw_timeline(go)
         self.status.value = self._status_html()
 
+    def overlay(self, *runs) -> Dashboard:
+        """Draw branches' curves (sess.fork / sess.branch) dashed over the main line's, in the same panels."""
+        import plotly.graph_objects as go
+        for run in runs:
+            for i, (_, series) in enumerate(PANELS):
+                x, y = run.curve(series[0][0])
+                if not x:
+                    continue
+                r, c = divmod(i, COLS)
+                self.figure.add_trace(go.Scatter(x=x, y=y, name=run.name, legendgroup=f"branch:{run.name}",
+                                                 mode="lines+markers" if len(x) < 20 else "lines",
+                                                 line={"dash": "dash"}, showlegend=False), row=r + 1, col=c + 1)
+        return self
+
     def _draw_memory(self, go) -> None:
         roles = sorted({k.split("/")[1].removesuffix("_peak_gb") for r in self.session.history[-1:]
                         for k in r if k.startswith("memory/")})
@@ -162,6 +177,9 @@ class Dashboard:
             parts.append(f"{last['time/step_s']:.2f} s/step")
         if s.evals:
             parts.append(f"held-out acc {s.evals[-1]['eval/accuracy']:.3f}")
+        if last.get("mismatch/alarm"):
+            parts.append("<span style='color:#9a6700'>engine and trainer log-probs differ: mean |Δ log p| "
+                         f"{last['mismatch/logp_abs_mean']:.4f} (algo.mismatch_alarm)</span>")
         err = bg.error if bg is not None else None
         if err is not None:
             parts.append("<span style='color:#cf222e'>"

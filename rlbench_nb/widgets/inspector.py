@@ -16,12 +16,14 @@ from ..errors import UsageError
 
 OPS = {"==": operator.eq, "!=": operator.ne, ">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le,
        "contains": lambda a, b: str(b) in str(a)}
-COLUMNS = ("prompt", "response", "reward", "advantage", "length", "reward_error")
-TOKEN_FIELDS = {"log-prob": "old_logprobs_BR", "KL to reference": None, "advantage": "advantages_BR"}
+COLUMNS = ("prompt", "response", "reward", "reward_before", "advantage", "length", "reward_error")
+TOKEN_FIELDS = {"log-prob": "old_logprobs_BR", "KL to reference": None, "advantage": "advantages_BR",
+                "Δ log p trainer − engine": None}
 
 
 def _table_row(i: int, shown: dict) -> dict:
-    """One inspector row from a sample keyed by the names people see (`Batch.rows()`, rollout files)."""
+    """One inspector row from a sample keyed by the names people see (`Batch.rows()`, rollout files; their
+    token ids stay out of the table). `reward_before`: a re-scored batch's earlier reward, beside the new."""
     return {"index": i, **{c: shown.get(c, "" if c in ("prompt", "response") else None) for c in COLUMNS}}
 
 
@@ -97,6 +99,11 @@ class Inspector:
             if "ref_logprobs_BR" not in b:
                 raise UsageError("this batch has no reference log-probs (algo.kl_coef is 0)")
             values = (b["old_logprobs_BR"][index] - b["ref_logprobs_BR"][index])[mask]
+        elif quantity == "Δ log p trainer − engine":  # the mismatch monitor, token by token
+            if "old_logprobs_BR" not in b or "rollout_logprobs_BR" not in b:
+                raise UsageError("this batch has no trainer log-probs beside the engine's: prepare() it with "
+                                 "algo.reuse_logprobs=false")
+            values = (b["old_logprobs_BR"][index] - b["rollout_logprobs_BR"][index])[mask]
         else:
             field = TOKEN_FIELDS.get(quantity)
             if field == "old_logprobs_BR" and field not in b:  # algo.reuse_logprobs: the sampler's are the same

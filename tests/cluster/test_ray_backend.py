@@ -262,3 +262,34 @@ def test_run_on_failure_restore_survives_killed_and_hung_workers(ray_cluster, sm
         assert (run_dir / "checkpoints" / f"step_{step}" / "MANIFEST.json").exists()
     assert [e["step"] for e in sess.evals] == [0, 7, 8]  # the evaluation the dead rollout worker cut, redone
     sess.close()
+
+
+def _loss_in_the_policy_workers(logprobs_BR, old_logprobs_BR, advantages_BR, mask_BR, *, cfg):
+    """REINFORCE: a loss the Ray policy workers can only know because the session shipped it."""
+    return -advantages_BR * logprobs_BR, {"shipped": 1.0}
+
+
+def test_snapshots_branches_and_shipped_losses_with_two_fsdp_ranks(ray_cluster, small_cfg):
+    """Under Ray with 2 FSDP2 ranks (each rank holds its own shards of the snapshot): stepping after a
+    restore is bit-identical, a fork with a custom loss shipped to the actors leaves the main line as it
+    was, and the timings of snapshot and restore are what benchmarks/whatif.py reports."""
+    sess = rl.Session(small_cfg(*RAY, "cluster.train_ranks=2"))
+    sess.step()
+    snap = sess.snapshot()
+    first = [sess.step() for _ in range(2)]
+    weights = sess.groups["policy"].call("get_weights")[0]
+    sess.restore(snap)
+    again = [sess.step() for _ in range(2)]
+    drop = ("time/", "throughput/", "memory/", "sync/s", "sync/verify_s")
+    assert [{k: v for k, v in r.items() if not k.startswith(drop)} for r in again] == \
+        [{k: v for k, v in r.items() if not k.startswith(drop)} for r in first]
+    after = sess.groups["policy"].call("get_weights")[0]
+    assert all(torch.equal(weights[k], after[k]) for k in weights)
+    assert sess.groups["policy"].call("optimizer_steps") == [3, 3]
+    sess.policy_loss(_loss_in_the_policy_workers)
+    b = sess.fork("reinforce", 2, "algo.policy_loss=_loss_in_the_policy_workers", progress=False)
+    assert all(r["actor/shipped"] == pytest.approx(1.0) for r in b.history)
+    assert all(torch.equal(after[k], v) for k, v in sess.groups["policy"].call("get_weights")[0].items())
+    assert sess.step_count == 3 and sess.cfg.algo.policy_loss == "ppo"
+    assert_rollout_holds_policy_weights(sess)
+    sess.close()

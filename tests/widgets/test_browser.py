@@ -60,16 +60,15 @@ def lab(tmp_path):
         server.wait(timeout=30)
 
 
-@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (apt-get install chromium)")
-def test_quickstart_in_jupyterlab_renders_dashboard_and_inspector(lab, tmp_path):
+def _run_all_cells(lab, name: str, params: str, measures: dict[str, str], shot: str) -> dict:
+    """Open notebooks/<name> in JupyterLab with `params` after its parameters cell, run every cell, and
+    evaluate each of `measures` (JavaScript expressions) on the page; a full-page screenshot to `shot`."""
     from playwright.sync_api import sync_playwright
     base, token, root = lab
-    nb = nbformat.read(str(REPO / "notebooks/01_quickstart.ipynb"), as_version=4)
+    nb = nbformat.read(str(REPO / "notebooks" / name), as_version=4)
     at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
-    nb.cells.insert(at + 1, nbformat.v4.new_code_cell(
-        f"config = {str(REPO / 'configs/arith_grpo.yaml')!r}\nsteps = 4\nrun_dir = {str(tmp_path / 'run')!r}\n"
-        f"overrides = {[*SMALL, 'run.tensorboard=false']!r}"))
-    nbformat.write(nb, str(root / "quickstart.ipynb"))
+    nb.cells.insert(at + 1, nbformat.v4.new_code_cell(params))
+    nbformat.write(nb, str(root / name))
     SHOTS.mkdir(parents=True, exist_ok=True)
     errors = []
     with sync_playwright() as p:
@@ -78,7 +77,7 @@ def test_quickstart_in_jupyterlab_renders_dashboard_and_inspector(lab, tmp_path)
             "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(f"{base}/lab/tree/quickstart.ipynb?token={token}&reset")
+        page.goto(f"{base}/lab/tree/{name}?token={token}&reset")
         page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
         page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=60_000)
         page.set_default_timeout(600_000)
@@ -86,14 +85,44 @@ def test_quickstart_in_jupyterlab_renders_dashboard_and_inspector(lab, tmp_path)
         page.wait_for_function("""() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]
                                   .every(p => /\\[\\d+\\]/.test(p.textContent))""", timeout=600_000)
         page.wait_for_selector(".js-plotly-plot .main-svg", timeout=60_000)
-        points = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
-            .map(d => (d.data || []).reduce((n, t) => n + ((t.x || []).length), 0))""")
-        rows = page.evaluate("() => document.querySelectorAll('table.rl-inspector tr').length")
-        traces = page.evaluate("() => document.querySelectorAll('.js-plotly-plot .scatterlayer .trace').length")
-        page.screenshot(path=str(SHOTS / "quickstart_full.png"), full_page=True)
-        page.locator(".jupyter-widgets .js-plotly-plot").first.screenshot(path=str(SHOTS / "dashboard.png"))
+        out = {k: page.evaluate(js) for k, js in measures.items()}
+        out["errors"] = [e for e in errors if "plotly" in e.lower() or "widget" in e.lower()]
+        page.screenshot(path=str(SHOTS / shot), full_page=True)
+        if name == "01_quickstart.ipynb":
+            page.locator(".jupyter-widgets .js-plotly-plot").first.screenshot(path=str(SHOTS / "dashboard.png"))
         browser.close()
-    assert points and max(points) > 0, f"no data points in the plotly figures: {points}"
-    assert traces > 0
-    assert rows > 1, "the inspector table has no rows"
-    assert not [e for e in errors if "plotly" in e.lower() or "widget" in e.lower()], errors
+    return out
+
+
+POINTS = """() => [...document.querySelectorAll('.js-plotly-plot')]
+            .map(d => (d.data || []).reduce((n, t) => n + ((t.x || []).length), 0))"""
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (apt-get install chromium)")
+def test_quickstart_in_jupyterlab_renders_dashboard_and_inspector(lab, tmp_path):
+    got = _run_all_cells(lab, "01_quickstart.ipynb",
+                         f"config = {str(REPO / 'configs/arith_grpo.yaml')!r}\nsteps = 4\n"
+                         f"run_dir = {str(tmp_path / 'run')!r}\noverrides = {[*SMALL, 'run.tensorboard=false']!r}",
+                         {"points": POINTS,
+                          "rows": "() => document.querySelectorAll('table.rl-inspector tr').length",
+                          "traces": "() => document.querySelectorAll('.js-plotly-plot .scatterlayer .trace').length"},
+                         "quickstart_full.png")
+    assert got["points"] and max(got["points"]) > 0, f"no data points in the plotly figures: {got['points']}"
+    assert got["traces"] > 0
+    assert got["rows"] > 1, "the inspector table has no rows"
+    assert not got["errors"], got["errors"]
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (apt-get install chromium)")
+def test_what_if_notebook_renders_the_comparison(lab, tmp_path):
+    got = _run_all_cells(lab, "04_what_if.ipynb",
+                         f"config = {str(REPO / 'configs/arith_grpo.yaml')!r}\nsteps = 2\nbranch_steps = 2\n"
+                         f"run_dir = {str(tmp_path / 'run')!r}\n"
+                         f"overrides = {[*SMALL, 'run.tensorboard=false', 'task.num_test=16']!r}",
+                         {"branches": """() => [...document.querySelectorAll('.js-plotly-plot')].flatMap(
+                             d => (d.data || []).filter(t => (t.x || []).length > 0).map(t => t.name))""",
+                          "table": "() => document.querySelectorAll('table.rl-compare tbody tr').length"},
+                         "what_if_full.png")
+    assert {"lr-5e-5", "lr-4e-4"} <= set(got["branches"]), got["branches"]  # both branches' curves drawn
+    assert got["table"] >= 3, "the comparison table has too few metric rows"
+    assert not got["errors"], got["errors"]

@@ -1,8 +1,29 @@
 """What every rollout engine shares: the state that exact resume restores, memory reports, no-op hooks."""
 from __future__ import annotations
 
+import time
+
+import torch
+
 from ...metrics.memory import memory_snapshot
 from ..common import rng_state, set_rng_state
+
+SAMPLES = 4096  # elements per tensor a fingerprint reads: a fixed stride through it
+
+
+def fingerprint(t: torch.Tensor) -> float:
+    """A cheap digest of a tensor: the float64 sum of a fixed strided sample of its elements. The same
+    tensor in the same dtype gives the same number exactly."""
+    flat = t.detach().reshape(-1)
+    return float(flat[:: max(1, flat.numel() // SAMPLES)].to(torch.float64).sum())
+
+
+def first_difference(sent: dict[str, torch.Tensor], held: dict[str, torch.Tensor]) -> str | None:
+    """The first tensor whose fingerprint differs between what was sent and what the engine holds."""
+    for k, v in sent.items():
+        if k not in held or fingerprint(v) != fingerprint(held[k]):
+            return k
+    return None
 
 
 class RolloutWorker:
@@ -21,6 +42,17 @@ class RolloutWorker:
 
     def close(self) -> None:
         pass
+
+    def _verify(self, sent: dict[str, torch.Tensor], held: dict[str, torch.Tensor]) -> dict:
+        """What `set_weights` adds to its result: `mismatch` (the first tensor the engine does not hold as
+        sent, or None) and `verify_s`; the controller raises WeightSyncError on a mismatch."""
+        t0 = time.perf_counter()
+        bad = first_difference(sent, held)
+        return {"mismatch": bad, "verify_s": time.perf_counter() - t0}
+
+    def set_config(self, cfg) -> None:
+        """Sampling settings (temperature, top-p, n, lengths) for the next `generate` without params."""
+        self.cfg = cfg
 
     def get_state(self) -> dict:
         """Sampling RNG (torch's: both engines draw from it) and which weights this engine holds."""

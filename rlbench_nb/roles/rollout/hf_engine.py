@@ -118,7 +118,9 @@ class HFRolloutWorker(RolloutWorker):
                 for k, v in state.items():
                     self._targets[k].copy_(v, non_blocking=True)
         self.weight_version = version
-        return {"bytes": sum(v.numel() * v.element_size() for v in state.values())}
+        # read back from the live model, not from the copy targets: a load into anything else is caught
+        return {"bytes": sum(v.numel() * v.element_size() for v in state.values()),
+                **self._verify(state, self.model.state_dict())}
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The engine's weights, on the CPU (to compare with the policy's)."""

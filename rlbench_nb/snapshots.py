@@ -1,0 +1,127 @@
+"""Snapshots of a live session: everything a step depends on, taken and restored in well under a second.
+
+    snap = sess.snapshot()          # in the workers' host memory (to_disk=True: files in RUN_DIR/snapshots)
+    sess.step(); sess.step()
+    sess.restore(snap)              # back: stepping again gives bit-identical metrics and weights
+    snap.release()                  # frees the memory (closing the session frees every snapshot)
+
+What is captured, and where it stays:
+- each trained role's rank (policy, critic): its own weight shards, optimizer state and RNG, copied in
+  its own process (`roles/snapshots.py`): nothing is gathered or sent to the controller;
+- each rollout rank: its sampling RNG and weight version (small; kept here). The engine's weights are the
+  policy's, pushed again on restore;
+- the controller: step count, data position, KL controller, evaluations, the config and reward function.
+
+A checkpoint (`checkpoint.py`) is the durable, portable form; a snapshot is the fast one for a live
+session's "what if" (branches.py).
+"""
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import RLBenchError
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .session import Session
+
+HOLDERS = ("policy", "critic")  # roles whose workers keep their own part of a snapshot
+
+
+class SnapshotError(RLBenchError, RuntimeError):
+    """A snapshot that can no longer be restored (released, or its workers restarted)."""
+
+
+@dataclass
+class Snapshot:
+    key: str
+    step: int
+    controller: dict
+    rollout_states: list
+    cfg: Config
+    reward_fn: Any
+    holders: dict[str, tuple]       # role -> its ranks' pids when taken: a restarted role lost what it held
+    bytes: int
+    path: Path | None = None        # to_disk: the folder the ranks wrote into
+    taken_s: float = 0.0
+    _session: Any = field(default=None, repr=False)
+
+    @property
+    def released(self) -> bool:
+        return self._session is None
+
+    def release(self) -> None:
+        """Free what the workers hold for this snapshot (memory, or its files)."""
+        if self._session is None:
+            return
+        sess, self._session = self._session, None
+        sess._snapshots.discard(self.key)
+        if sess.state == "closed":
+            return
+        for role in HOLDERS:
+            if role in sess.groups:
+                try:
+                    sess.groups[role].call("release", self.key)
+                except Exception:  # a dead worker held nothing any more
+                    pass
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def __repr__(self) -> str:
+        where = f"on disk in {self.path}" if self.path else "in memory"
+        state = "released" if self.released else f"{self.bytes / 2**20:.1f} MiB {where}"
+        return f"<Snapshot {self.key} of step {self.step}: {state}>"
+
+
+def _pids(sess: Session, role: str) -> tuple:
+    g = sess.groups[role]
+    return tuple(g.info.get(r, {}).get("pid") for r in range(g.world_size))
+
+
+def take(sess: Session, to_disk: bool = False) -> Snapshot:
+    t0 = time.perf_counter()
+    key = f"snap-{uuid.uuid4().hex[:8]}"
+    path = sess.run_dir / "snapshots" / key if to_disk else None
+    size = 0
+    for role in HOLDERS:
+        if role in sess.groups:
+            size += sum(sess.groups[role].call("hold", key, None if path is None else str(path)))
+    snap = Snapshot(key=key, step=sess.step_count, controller=sess.controller_state(),
+                    rollout_states=sess.groups["rollout"].call("get_state"), cfg=sess.cfg,
+                    reward_fn=sess._reward_fn, holders={r: _pids(sess, r) for r in HOLDERS if r in sess.groups},
+                    bytes=size, path=path, _session=sess)
+    snap.taken_s = time.perf_counter() - t0
+    sess._snapshots.add(key)
+    return snap
+
+
+def restore(sess: Session, snap: Snapshot, history: bool = True) -> None:
+    """Bring `sess` back to `snap`. `history`: rows written since move to metrics.superseded.jsonl (as a
+    checkpoint load does); a branch, which wrote its rows elsewhere, passes False."""
+    if snap.released or snap._session is not sess:
+        raise SnapshotError(f"{snap!r} cannot be restored: it was released, or belongs to another session")
+    for role, pids in snap.holders.items():
+        if _pids(sess, role) != pids:
+            raise SnapshotError(f"{snap!r} cannot be restored: the {role} workers were restarted since it was "
+                                "taken, and held their part of it in memory; take snapshots with "
+                                "sess.snapshot(to_disk=True) to survive a restart, or load a checkpoint")
+    if snap.cfg != sess.cfg:
+        sess._use_config(snap.cfg)
+    if snap.reward_fn is not sess._reward_fn:
+        sess._use_reward(snap.reward_fn)
+    for role in snap.holders:
+        sess.groups[role].call("return_to", snap.key)
+    sess.groups["rollout"].call_each("set_state", [(s,) for s in snap.rollout_states])
+    if history:
+        sess.load_controller_state(snap.controller)
+    else:
+        sess.step_count = snap.controller["step"]
+        sess.sampler.load_state_dict(snap.controller["sampler"])
+        sess.kl_ctrl.load_state_dict(snap.controller["kl_ctrl"])
+    sess.workers.sync(version=sess.step_count)
+    sess._rollout_stale = False
