@@ -8,22 +8,26 @@ import torch
 from ...metrics.memory import memory_snapshot
 from ..common import rng_state, set_rng_state
 
-SAMPLES = 4096  # elements per tensor a fingerprint reads: a fixed stride through it
+SAMPLES = 256  # elements per tensor a fingerprint reads, a fixed stride through it: a stale or half-loaded tensor
+# differs in most of them; each sample is one cache line read, so the cost is ~tensors x SAMPLES, not the bytes
 
 
-def fingerprint(t: torch.Tensor) -> float:
-    """A cheap digest of a tensor: the float64 sum of a fixed strided sample of its elements. The same
-    tensor in the same dtype gives the same number exactly."""
-    flat = t.detach().reshape(-1)
-    return float(flat[:: max(1, flat.numel() // SAMPLES)].to(torch.float64).sum())
+def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A cheap digest per tensor: the float64 sum of a fixed strided sample of its elements. The same tensor
+    in the same dtype gives the same number exactly."""
+    return torch.stack([t.detach().reshape(-1)[:: max(1, t.numel() // SAMPLES)].sum(dtype=torch.float64)
+                        for t in tensors])
 
 
 def first_difference(sent: dict[str, torch.Tensor], held: dict[str, torch.Tensor]) -> str | None:
     """The first tensor whose fingerprint differs between what was sent and what the engine holds."""
-    for k, v in sent.items():
-        if k not in held or fingerprint(v) != fingerprint(held[k]):
-            return k
-    return None
+    names = list(sent)
+    if any(k not in held for k in names):
+        return next(k for k in names if k not in held)
+    a, b = fingerprints([sent[k] for k in names]), fingerprints([held[k] for k in names])
+    if torch.equal(a, b):
+        return None
+    return names[int((a != b).nonzero()[0])]
 
 
 class RolloutWorker:
