@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from . import snapshots
 from .config import Config, ConfigError
 from .errors import UsageError
+from .guard import deferred_interrupts
 from .metrics.log import MetricsLog
 from .rundir import RunDir
 
@@ -182,11 +183,12 @@ def branch(sess: Session, name: str, overrides=(), reward=None, keep: bool = Tru
             if keep and sess.step_count > b.start_step and sess.state == "ready":
                 b.end = snapshots.take(sess)
         finally:
-            sess.rundir, sess.metrics, sess._branch = main_rundir, main_metrics, None
-            snapshots.restore(sess, start, history=False)  # also the main config and reward function
-            start.release()
-            b._start = None
-            sess.branches[name] = b
+            with deferred_interrupts("returning to the main line"):  # never left half-way, even on Ctrl-C
+                sess.rundir, sess.metrics, sess._branch = main_rundir, main_metrics, None
+                snapshots.restore(sess, start, history=False)  # also the main config and reward function
+                start.release()
+                b._start = None
+                sess.branches[name] = b
 
 
 def fork(sess: Session, name: str, steps: int, overrides=(), reward=None, progress: bool = True) -> Branch:

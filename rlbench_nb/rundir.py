@@ -148,9 +148,10 @@ class Lease:
     def check(self, what: str) -> None:
         """Raise if another controller took the run over: this one must not write it any more."""
         holder = self.holder()
-        if holder is not None and holder.get("token") != self.token:
+        if holder is None or holder.get("token") != self.token:  # gone too: the taker may have closed since
+            who = self.describe(holder) if holder else "another session, which has released it since"
             raise SessionStateError(f"cannot {what}: run directory {self.path.parent} was taken over by "
-                                    f"{self.describe(holder)}; this session no longer writes it — close it")
+                                    f"{who}; this session no longer writes it — close it")
 
     def release(self) -> None:
         holder = self.holder()

@@ -86,9 +86,12 @@ def test_run_writes_summary_rollouts_tensorboard_and_checkpoint(small_cfg):
     assert saved["steps"] == 3 and 0 <= saved["accuracy_before"] <= 1 and "accuracy_after" in saved
     assert summary == saved
     rows = [json.loads(line) for line in (d / "rollouts" / "step_000003.jsonl").read_text().splitlines()]
-    # the names people see (Batch.shown_fields), the dataset row's fields, and the group id
+    # the names people see (Batch.shown_fields), the dataset row's fields, the group id, and the token ids a
+    # replay rebuilds the batch from (rl.load_rollouts)
     assert len(rows) == 32 and set(rows[0]) == {"prompt", "response", "answer", "reward", "advantage", "length",
-                                                "reward_error", "group"}
+                                                "reward_error", "group", "tokens"}
+    assert set(rows[0]["tokens"]) == {"prompt", "response", "logprobs", "widths", "pad"}
+    assert len(rows[0]["tokens"]["response"]) == rows[0]["length"] == len(rows[0]["tokens"]["logprobs"])
     assert list((d / "tb").glob("events.out.tfevents.*"))
     assert (d / "checkpoints" / "latest").read_text() == "step_3"
     assert {p.name for p in (d / "checkpoints").iterdir()} == {"step_2", "step_3", "latest"}

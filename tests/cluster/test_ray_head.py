@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -57,11 +58,29 @@ if mode == "first":
         sess.step()
     json.dump({"name": sess.name, "digest": digest(sess), "run_dir": str(sess.run_dir)}, open(out, "w"))
     time.sleep(600)  # killed by the test
-else:
+elif mode == "second":  # attaches, steps, then holds the run until told to step again
     sess = rl.Session.attach(sys.argv[3], address=sys.argv[4])
     before = {"step": sess.step_count, "digest": digest(sess), "history": len(sess.history)}
     row = sess.step()
     json.dump({**before, "after_step": sess.step_count, "reward": row["reward/mean"]}, open(out, "w"))
+    go = out + ".go"
+    while not __import__("os").path.exists(go):
+        time.sleep(0.2)
+    try:
+        sess.step()
+        fenced = "stepped"
+    except rl.SessionStateError as e:
+        fenced = str(e)
+    json.dump({"fenced": fenced}, open(out + ".fenced", "w"))
+else:  # "third": a second controller on the same run, refused; then taking it over
+    try:
+        rl.Session.attach(sys.argv[3], address=sys.argv[4])
+        refused = "attached"
+    except rl.RLBenchError as e:
+        refused = f"{type(e).__name__}: {e}"
+    sess = rl.Session.attach(sys.argv[3], address=sys.argv[4], take_over=True)
+    row = sess.step()
+    json.dump({"refused": refused, "step": sess.step_count}, open(out, "w"))
     sess.close()
 """
 
@@ -79,13 +98,28 @@ def test_killed_controller_reattaches_to_detached_actors(ray_head, tmp_path):
     first.send_signal(signal.SIGKILL)
     first.wait()
     before = json.loads(first_out.read_text())
-    subprocess.run([sys.executable, "-c", CONTROLLER, "second", str(second_out), before["name"], ray_head],
-                   cwd=REPO, check=True, timeout=300)
+    second = subprocess.Popen([sys.executable, "-c", CONTROLLER, "second", str(second_out), before["name"],
+                               ray_head], cwd=REPO)
+    while not second_out.exists() and time.time() < deadline and second.poll() is None:
+        time.sleep(0.5)
+    time.sleep(0.5)
     after = json.loads(second_out.read_text())
     assert after["step"] == 3 and after["history"] == 3 and after["after_step"] == 4
     assert after["digest"] == before["digest"]  # the same weights, held by the same actors
+    # a second live controller on the run is refused, naming the holder; take_over=True fences the holder
+    third_out = tmp_path / "third.json"
+    subprocess.run([sys.executable, "-c", CONTROLLER, "third", str(third_out), before["name"], ray_head],
+                   cwd=REPO, check=True, timeout=300)
+    third = json.loads(third_out.read_text())
+    assert third["refused"].startswith(f"RunInUseError: run directory {before['run_dir']} is in use by process "
+                                       f"{second.pid}"), third["refused"]
+    assert third["step"] == 5
+    Path(str(second_out) + ".go").write_text("step again")
+    assert second.wait(timeout=120) == 0
+    fenced = json.loads(Path(str(second_out) + ".fenced").read_text())["fenced"]
+    assert fenced.startswith("cannot rollout: run directory") and "was taken over by" in fenced, fenced
     rows = [json.loads(line) for line in open(os.path.join(before["run_dir"], "metrics.jsonl"))]
-    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4, 5]  # the fenced step wrote nothing
 
 
 def test_attach_to_a_missing_run_is_clear(ray_head):
