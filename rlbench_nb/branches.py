@@ -66,8 +66,6 @@ def variant(cfg: Config, overrides) -> Config:
                               f"{'has' if getattr(cfg, uses) else 'has no'} {role} workers: a branch keeps the "
                               "session's roles (start the session with settings that use the role, e.g. "
                               "algo.kl_coef > 0 for a reference)")
-    if not any(o.split("=", 1)[0].strip() == "run.checkpoint_every" for o in overrides):
-        new = new.override("run.checkpoint_every=0")  # a branch keeps its end state in memory (adopt)
     return new
 
 
@@ -131,12 +129,6 @@ class Replay:
     overrides: tuple[str, ...]
     row: dict
     weight_change: dict[str, float]  # parameter -> |W_after - W_before| / |W_before|
-
-    @property
-    def history(self) -> list[dict]:
-        return [self.row]
-
-    evals: tuple = ()
 
     def curve(self, metric: str) -> tuple[list[int], list[float]]:
         return ([self.row["step"]], [self.row[metric]]) if self.row.get(metric) is not None else ([], [])
@@ -205,10 +197,7 @@ def adopt(sess: Session, b: Branch) -> None:
         raise UsageError(f"branch '{b.name}' kept no end state (it was released, adopted already, or took no "
                          "step)")
     before = [e for e in sess.evals if e["step"] <= b.start_step]
-    main_run = sess.cfg.run  # the branch's algorithm, loss, lr...; the main line's cadence and files
     snapshots.restore(sess, b.end, history=False)
-    if sess.cfg.run != main_run:
-        sess._use_config(sess.cfg.model_copy(update={"run": main_run}))
     sess.metrics.restore(b.start_step, before)
     for row in b.history:
         sess.metrics.log_step(row["step"], {k: v for k, v in row.items() if k != "step"})

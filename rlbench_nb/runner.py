@@ -115,7 +115,9 @@ def _catch_up(sess: Session, start: int) -> None:
         return  # the step the run began at: evaluated just before, and saved already if it was due
     if run.eval_every and step % run.eval_every == 0 and (not sess.evals or sess.evals[-1]["step"] != step):
         sess.evaluate()
-    if run.checkpoint_every and step % run.checkpoint_every == 0 and sess.last_saved_step != step:
+    # a branch saves none: it keeps its end state in memory for adopt (branches.py)
+    if (run.checkpoint_every and step % run.checkpoint_every == 0 and sess.last_saved_step != step
+            and sess._branch is None):
         sess.save(f"step_{step}")
 
 

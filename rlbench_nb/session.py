@@ -553,11 +553,14 @@ class Session(WhatIf):
         return {"step": self.step_count, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                 "evals": self.evals, "run_dir": str(self.run_dir)}
 
-    def load_controller_state(self, state: dict) -> None:
+    def load_controller_state(self, state: dict, metrics: bool = True) -> None:
+        """`metrics`: also align the metrics log (rows past the step move aside); a branch returning to the
+        main line, whose rows went elsewhere, passes False."""
         self.step_count = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        self.metrics.restore(self.step_count, state["evals"])
+        if metrics:
+            self.metrics.restore(self.step_count, state["evals"])
 
     # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:

@@ -18,7 +18,6 @@ session's "what if" (branches.py).
 from __future__ import annotations
 
 import shutil
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +39,6 @@ class SnapshotError(RLBenchError, RuntimeError):
 @dataclass
 class Snapshot:
     key: str
-    step: int
     controller: dict
     rollout_states: list
     cfg: Config
@@ -48,8 +46,11 @@ class Snapshot:
     holders: dict[str, tuple]       # role -> its ranks' pids when taken: a restarted role lost what it held
     bytes: int
     path: Path | None = None        # to_disk: the folder the ranks wrote into
-    taken_s: float = 0.0
     _session: Any = field(default=None, repr=False)
+
+    @property
+    def step(self) -> int:
+        return self.controller["step"]
 
     @property
     def released(self) -> bool:
@@ -84,18 +85,16 @@ def _pids(sess: Session, role: str) -> tuple:
 
 
 def take(sess: Session, to_disk: bool = False) -> Snapshot:
-    t0 = time.perf_counter()
     key = f"snap-{uuid.uuid4().hex[:8]}"
     path = sess.run_dir / "snapshots" / key if to_disk else None
     size = 0
     for role in HOLDERS:
         if role in sess.groups:
             size += sum(sess.groups[role].call("hold", key, None if path is None else str(path)))
-    snap = Snapshot(key=key, step=sess.step_count, controller=sess.controller_state(),
+    snap = Snapshot(key=key, controller=sess.controller_state(),
                     rollout_states=sess.groups["rollout"].call("get_state"), cfg=sess.cfg,
                     reward_fn=sess._reward_fn, holders={r: _pids(sess, r) for r in HOLDERS if r in sess.groups},
                     bytes=size, path=path, _session=sess)
-    snap.taken_s = time.perf_counter() - t0
     sess._snapshots.add(key)
     return snap
 
@@ -106,7 +105,7 @@ def restore(sess: Session, snap: Snapshot, history: bool = True) -> None:
     if snap.released or snap._session is not sess:
         raise SnapshotError(f"{snap!r} cannot be restored: it was released, or belongs to another session")
     for role, pids in snap.holders.items():
-        if _pids(sess, role) != pids:
+        if snap.path is None and _pids(sess, role) != pids:
             raise SnapshotError(f"{snap!r} cannot be restored: the {role} workers were restarted since it was "
                                 "taken, and held their part of it in memory; take snapshots with "
                                 "sess.snapshot(to_disk=True) to survive a restart, or load a checkpoint")
@@ -114,14 +113,9 @@ def restore(sess: Session, snap: Snapshot, history: bool = True) -> None:
         sess._use_config(snap.cfg)
     if snap.reward_fn is not sess._reward_fn:
         sess._use_reward(snap.reward_fn)
-    for role in snap.holders:
-        sess.groups[role].call("return_to", snap.key)
+    for role in snap.holders:  # a restarted worker finds an on-disk snapshot by its folder
+        sess.groups[role].call("return_to", snap.key, None if snap.path is None else str(snap.path))
     sess.groups["rollout"].call_each("set_state", [(s,) for s in snap.rollout_states])
-    if history:
-        sess.load_controller_state(snap.controller)
-    else:
-        sess.step_count = snap.controller["step"]
-        sess.sampler.load_state_dict(snap.controller["sampler"])
-        sess.kl_ctrl.load_state_dict(snap.controller["kl_ctrl"])
+    sess.load_controller_state(snap.controller, metrics=history)
     sess.workers.sync(version=sess.step_count)
     sess._rollout_stale = False

@@ -55,7 +55,7 @@ class WhatIf:
         """Change settings of the main line from here on (`"train.lr=1e-4"`, `"algo.advantage=my_fn"`): the
         same changes a branch may make (branches.variant); written to the run's config.yaml."""
         from .branches import variant
-        cfg = variant(self.cfg, overrides).override(f"run.checkpoint_every={self.cfg.run.checkpoint_every}")
+        cfg = variant(self.cfg, overrides)
         with self._phase("configure"):
             self._use_config(cfg)
             self.rundir.write_config(cfg)

@@ -34,7 +34,7 @@ def test_overrides_are_typed_and_applied():
     # bounds that follow the math: a ratio clipped below at 1 - 2 < 0 clips nothing; an infinite step size
     ("algo.clip_low=2", "invalid value for 'algo.clip_low': 2 — Input should be less than 1"),
     ("train.lr=inf", "invalid value for 'train.lr': 'inf' — Input should be a finite number"),
-    ("algo.kl_coef=nan", "invalid value for 'algo.kl_coef'"),
+    ("algo.kl_coef=nan", "invalid value for 'algo.kl_coef': 'nan' — Input should be a finite number"),
     ("run.name=../../evil", "a plain folder name is needed"),
 ])
 def test_bad_overrides_give_one_clear_line(override, message):

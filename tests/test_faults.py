@@ -278,7 +278,9 @@ def test_checkpoint_names_that_could_escape_or_clobber_are_refused(small_cfg, tm
         with pytest.raises(rl.CheckpointError, match="is not allowed: use a plain folder name"):
             sess.save(name)
         assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["good", "latest"]
-    assert not (tmp_path / "x").exists() and not (tmp_path / "run" / "latest").exists()
+        assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "good"
+    # "../x" would have landed in run/x, beside checkpoints/; nothing was written outside checkpoints/
+    assert not (tmp_path / "run" / "x").exists() and not (tmp_path / "run" / "latest").exists()
 
 
 def test_a_copied_or_moved_run_resumes_into_its_own_directory(small_cfg, tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ def _state_digest(sess) -> dict:
              for i, st in enumerate(policy.optimizer.state.values())}
     return {"weights": {k: v.clone() for k, v in policy.model.state_dict().items()}, "optim": optim,
             "lr": [g["lr"] for g in policy.optimizer.param_groups], "rng": torch.get_rng_state().clone(),
-            "data": sess.sampler.state_dict(), "step": sess.step_count, "cfg": sess.cfg}
+            "data": sess.sampler.state_dict(), "step": sess.step_count, "cfg": sess.cfg.to_dict()}
 
 
 def _same(a, b) -> bool:
@@ -57,9 +57,16 @@ def test_stepping_from_a_restored_snapshot_is_bit_identical(small_cfg, tmp_path)
         assert [r["step"] for r in read_jsonl(sess.run_dir / "metrics.superseded.jsonl")] == [2, 3, 4]
         on_disk = sess.snapshot(to_disk=True)
         assert (sess.run_dir / "snapshots" / on_disk.key).is_dir()
+        at_four = sess.groups["policy"].call("get_weights")[0]
+        sess.save("five")
         sess.step()
+        sess.restart("policy")  # new policy workers (from checkpoint "five"): a snapshot on disk still restores
         sess.restore(on_disk)
         assert sess.step_count == 4
+        assert all(torch.equal(v, sess.groups["policy"].call("get_weights")[0][k]) for k, v in at_four.items())
+        assert_rollout_holds_policy_weights(sess)
+        with pytest.raises(rl.WorkerError, match="holds no snapshot .*restarted since it was taken"):
+            sess.restore(snap)  # the one in memory went with the old workers
         snap.release()
         with pytest.raises(rl.SnapshotError, match="released"):
             sess.restore(snap)
@@ -89,8 +96,7 @@ def test_a_fork_leaves_the_main_line_untouched_and_adopt_continues_from_it(small
         # adopt: the main line continues from the branch's end, with its settings and rows
         sess.adopt(b)
         assert sess.step_count == 4 and sess.cfg.train.lr == 1e-3 and b.end is None
-        # the branch's settings, but the main line's cadence (a branch itself saves no checkpoints)
-        assert sess.cfg.run.checkpoint_every == 7 and b.cfg.run.checkpoint_every == 0
+        assert sess.cfg.run.checkpoint_every == 7 and not (b.path / "checkpoints").exists()  # a branch saves none
         assert [r["step"] for r in sess.history] == [1, 2, 3, 4]
         assert sess.groups["policy"].workers[0].optimizer.param_groups[0]["lr"] == 1e-3
         assert sess.groups["policy"].call("optimizer_steps")[0] == 4
@@ -124,7 +130,9 @@ def test_replaying_a_saved_step_from_the_checkpoint_before_it_gives_the_same_upd
         assert sess.step_count == 1  # the replay ran on a branch: the session is back at step 1
         # its weight change is the original step's: |W2 - W1| / |W1| per parameter
         before = sess.groups["policy"].call("get_weights")[0]
-        for k, v in r.largest_changes(3):
+        largest = r.largest_changes(3)
+        assert len(largest) == 3 and largest[0][1] >= largest[1][1] >= largest[2][1] > 0
+        for k, v in largest:
             expect = ((weights_after[k].double() - before[k].double()).norm() / before[k].double().norm()).item()
             assert v == pytest.approx(expect, rel=1e-6), k  # float64 sums of the same float32 numbers
 

@@ -62,8 +62,8 @@ class SnapshotHolder:
             self._held[key] = state
         return size
 
-    def _state(self, key: str) -> dict:
-        held = getattr(self, "_held", {}).get(key)
+    def _state(self, key: str, path: str | None = None) -> dict:
+        held = getattr(self, "_held", {}).get(key, path)  # on disk: a restarted worker reads it by its folder
         if held is None:
             raise KeyError(f"{self.role} holds no snapshot '{key}': it was released, or this worker was restarted "
                            "since it was taken (snapshots in memory live in the worker processes; "
@@ -73,10 +73,11 @@ class SnapshotHolder:
         return held
 
     @torch.no_grad()
-    def return_to(self, key: str) -> None:
-        """Weights, optimizer state (moments, step counts, learning rate and the rest) and RNG as at `hold(key)`."""
+    def return_to(self, key: str, path: str | None = None) -> None:
+        """Weights, optimizer state (moments, step counts, learning rate and the rest) and RNG as at `hold(key)`
+        (`path`: the folder of a snapshot taken to disk, which a restarted worker no longer knows)."""
         from torch.distributed.tensor import DTensor
-        state = self._state(key)
+        state = self._state(key, path)
         params = list(self.model.parameters())
         for p, saved in zip(params, state["weights"], strict=True):
             _local(p).copy_(saved)

@@ -19,12 +19,13 @@ def test_mismatch_metrics_by_hand():
     assert m["mismatch/prob_ratio_err"] == pytest.approx((abs(math.exp(d / 2) - 1) + 0) / 2, rel=1e-4)
     assert m["mismatch/kl_k3"] == pytest.approx((math.exp(d) - 1 - d) / 3, rel=1e-3)
     exact = mismatch_metrics(rollout, rollout, MASK)
-    assert all(v == 0 for v in exact.values())
+    assert exact == {k: 0.0 for k in m}
 
 
 def test_truncated_and_masked_importance_weights_by_hand():
     rollout = torch.zeros(2, 2)
-    trainer = torch.tensor([[math.log(3.0), 0.0], [math.log(0.6), 5.0]])  # p/q = 3, 1 | 0.6, (padding)
+    # p/q = 3, 1 | 0.6, (padding); the trainer's log-probs carry a gradient, the weights must not
+    trainer = torch.tensor([[math.log(3.0), 0.0], [math.log(0.6), 5.0]], requires_grad=True)
     w, stats = rollout_is_weights(trainer, rollout, MASK, "tis", cap=2.0)
     assert torch.allclose(w, torch.tensor([[2.0, 1.0], [0.6, 0.0]]))  # min(p/q, 2) on real tokens
     assert stats["mismatch/is_capped_frac"] == pytest.approx(1 / 3)
@@ -35,4 +36,5 @@ def test_truncated_and_masked_importance_weights_by_hand():
     assert stats["mismatch/is_masked_frac"] == 0.5
     w, stats = rollout_is_weights(trainer, rollout, MASK, "off", cap=2.0)
     assert torch.equal(w, torch.ones(2, 2)) and stats == {}
-    assert not w.requires_grad
+    w, _ = rollout_is_weights(trainer, rollout, MASK, "tis", cap=2.0)
+    assert not w.requires_grad and w.grad_fn is None

@@ -271,8 +271,8 @@ def _loss_in_the_policy_workers(logprobs_BR, old_logprobs_BR, advantages_BR, mas
 
 def test_snapshots_branches_and_shipped_losses_with_two_fsdp_ranks(ray_cluster, small_cfg):
     """Under Ray with 2 FSDP2 ranks (each rank holds its own shards of the snapshot): stepping after a
-    restore is bit-identical, a fork with a custom loss shipped to the actors leaves the main line as it
-    was, and the timings of snapshot and restore are what benchmarks/whatif.py reports."""
+    restore is bit-identical, and a fork with a custom loss shipped to the actors leaves the main line as it
+    was."""
     sess = rl.Session(small_cfg(*RAY, "cluster.train_ranks=2"))
     sess.step()
     snap = sess.snapshot()
