@@ -131,8 +131,8 @@ def write_atomically(final: Path, write: Callable[[Path], None]) -> None:
         (tmp / "MANIFEST.json").write_text(json.dumps(_manifest(tmp), indent=1))
         (tmp / "COMPLETE").write_text("ok")
     except BaseException as e:
-        written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if tmp.exists() else 0
         full = isinstance(e, Exception) and disk_full(_root_cause(e), final.parent)  # before the space comes back
+        written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if full and tmp.exists() else 0
         shutil.rmtree(tmp, ignore_errors=True)  # a partial save must not keep the disk full
         if full:
             raise CheckpointError(

@@ -49,7 +49,7 @@ def as_number(value: Any) -> float:
     NaN, infinities, None and anything else are errors."""
     if hasattr(value, "item") and hasattr(value, "shape") and math.prod(value.shape) == 1:
         value = value.item()  # numpy scalar or array, torch tensor
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if isinstance(value, bool):  # numpy bools became Python bools through .item() above
         return float(bool(value))
     if not isinstance(value, numbers.Real):
         raise TypeError(f"returned {type(value).__name__} {value!r}, expected a float")
@@ -71,10 +71,16 @@ def _call(fn: Callable, args: tuple, kwargs: dict) -> Outcome:
 
 
 async def _call_async(fn: Callable, args: tuple, kwargs: dict) -> Outcome:
+    cwd = os.getcwd()
     try:
         return True, as_number(await fn(*args, **kwargs))
+    except asyncio.CancelledError:
+        raise  # cut at the batch's deadline: the caller records it as a timeout
     except BaseException as e:  # noqa: BLE001
         return False, (type(e).__name__, str(e))
+    finally:
+        if os.getcwd() != cwd:
+            os.chdir(cwd)
 
 
 def _is_async(fn: Callable) -> bool:

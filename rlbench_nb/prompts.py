@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 
 from .config import DataConfig
@@ -19,12 +21,10 @@ class PromptCodec:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
 
-    @property
+    @cached_property
     def max_chars_per_token(self) -> int:
         """The longest token's length in characters: a text of N characters has at least N / this tokens."""
-        if not hasattr(self, "_max_chars"):
-            self._max_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
-        return self._max_chars
+        return max(map(len, self.tokenizer.get_vocab()), default=1)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """The prompt's token ids, wrapped in the tokenizer's chat template when it has one (data.chat_template)."""

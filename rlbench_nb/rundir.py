@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 from .config import Config
-from .data.batch import Batch
+from .data.batch import SHOWN_FIELDS, Batch
 from .errors import RLBenchError, RunDirError, SessionStateError, write_failure
 
 LEASE_TTL_S = 900.0  # a holder on another machine that has not renewed for this long is taken as gone
@@ -142,6 +142,10 @@ class Lease:
         self.renew(since=time.time())
 
     def renew(self, since: float | None = None) -> None:
+        """Rewrite the lease with a fresh time; a plain renew (no `since`: not `acquire`) first checks that
+        it is still ours, so a session taken over mid-step never takes the lease back."""
+        if since is None:
+            self.check("renew the run's lease")
         held = self.holder() or {}
         write_json(self.path, {**self.me, "since": since or held.get("since", time.time()), "renewed": time.time()})
 
@@ -222,7 +226,7 @@ def load_rollouts(path: str | Path, pad_id: int | None = None) -> Batch:
         if has_logprobs:
             tensors["rollout_logprobs_BR"][i, :m] = torch.tensor(t["logprobs"], dtype=torch.float32)
     tensors["response_len_B"] = tensors["response_mask_BR"].sum(-1)
-    known = {"prompt", "response", "reward", "reward_before", "advantage", "length", "reward_error", "group", TOKENS}
+    known = set(SHOWN_FIELDS) | {"group", TOKENS}
     row_fields = sorted({k for r in rows for k in r} - known)
     meta = {"prompt": [r["prompt"] for r in rows], "response": [r["response"] for r in rows],
             "group": [r.get("group", f"row-{i}") for i, r in enumerate(rows)],

@@ -73,7 +73,8 @@ def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, on_failu
                     bar.set_postfix(reward=f"{row['reward/mean']:.3f}", step_s=f"{row['time/step_s']:.2f}")
                     _catch_up(sess, start)
                 after = sess.evals[-1] if sess.evals and sess.evals[-1]["step"] == sess.step_count else sess.evaluate()
-                if sess._branch is None:  # a branch keeps its end state in memory (branches.py), not on disk
+                # not again when the cadence just saved it; a branch keeps its end state in memory (branches.py)
+                if sess._branch is None and sess.last_saved_step != sess.step_count:
                     sess.save(f"step_{sess.step_count}")
                 break
             except WorkerError as e:

@@ -375,12 +375,12 @@ class Session(WhatIf):
 
     def _commit_step(self, batch: Batch, m: dict) -> None:
         """The step's bookkeeping, all together: step count, KL controller, metrics row, controller state."""
+        self.lease.renew()  # first: a session taken over mid-step writes nothing more
         self.step_count += 1
         if "kl_current" in batch.info:
             self.kl_ctrl.update(batch.info["kl_current"], n_steps=len(batch))
         self.metrics.log_step(self.step_count, m)
         self.rundir.write_state(self.controller_state())
-        self.lease.renew()
         k = self.cfg.run.save_rollouts_every
         if k and self.step_count % k == 0:
             self.rundir.write_rollouts(batch, self.step_count)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import load_tensors
 from .common import rng_state, set_rng_state
 
 
@@ -69,7 +70,7 @@ class SnapshotHolder:
                            "since it was taken (snapshots in memory live in the worker processes; "
                            "sess.snapshot(to_disk=True) survives a restart)")
         if isinstance(held, str):
-            return torch.load(self._snapshot_file(held), map_location="cpu", weights_only=True)
+            return load_tensors(self._snapshot_file(held), map_location="cpu")
         return held
 
     @torch.no_grad()

@@ -86,8 +86,8 @@ def _check_finite_weights(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     state). The step cannot be undone in place, so training stops here, before the weights spread to the
     rollout engine or a checkpoint."""
     from torch.distributed.tensor import DTensor
-    bad = torch.tensor(float(sum(not torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()
-                                 for p in model.parameters())))
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    bad = torch.stack([(~torch.isfinite(p)).any() for p in local]).sum().float().cpu()  # one device sync
     if dist_util.all_reduce_sum(bad) > 0:
         lr = optimizer.param_groups[0]["lr"]
         raise NonFiniteWeightsError(

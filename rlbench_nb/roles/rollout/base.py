@@ -16,7 +16,7 @@ def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A cheap digest per tensor: the float64 sum of a fixed strided sample of its elements. The same tensor
     in the same dtype gives the same number exactly."""
     return torch.stack([t.detach().reshape(-1)[:: max(1, t.numel() // SAMPLES)].sum(dtype=torch.float64)
-                        for t in tensors])
+                        for t in tensors]).cpu()  # sent (CPU) and held (the engine's device) compare here
 
 
 def first_difference(sent: dict[str, torch.Tensor], held: dict[str, torch.Tensor]) -> str | None:
