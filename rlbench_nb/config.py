@@ -46,6 +46,9 @@ class RunConfig(_Section):
     """Held-out greedy accuracy every K steps during run() (0: before and after only)."""
     tensorboard: bool = True
     """Write TensorBoard event files into the run directory."""
+    deterministic: bool = False
+    """Bit-identical weights for the same seed, config and rank layout: fixed thread counts (cluster.num_threads,
+    or 1), deterministic torch algorithms, sampling seeded per draw (determinism.py; docs/determinism.md)."""
 
     @field_validator("name")
     @classmethod
@@ -60,7 +63,8 @@ class ClusterConfig(_Section):
     backend: Literal["local", "ray"] = "local"
     """'local': every role in this process (world size 1, pdb works); 'ray': each rank a Ray actor."""
     address: str | None = None
-    """Ray cluster to attach to ('auto', 'HOST:PORT'); null: start an embedded one on 127.0.0.1."""
+    """Ray cluster to attach to ('auto', 'HOST:PORT'); null: $RAY_ADDRESS when set (a `ray job submit` driver),
+    else an embedded one on 127.0.0.1."""
     namespace: str = "rlbench-nb"
     """Ray namespace of the named role actors."""
     num_cpus: int = Field(0, ge=0)
@@ -84,7 +88,7 @@ class ClusterConfig(_Section):
     detached: bool = False
     """Ray: actors outlive this process (needs a cluster started with `ray start --head`)."""
     num_threads: int = Field(0, ge=0)
-    """torch CPU threads per process (0: torch's default)."""
+    """torch CPU threads per process (0: torch's default; 1 under run.deterministic)."""
 
 
 class TaskConfig(_Section):

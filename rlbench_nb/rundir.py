@@ -3,7 +3,8 @@
     runs/<run.name>/
       config.yaml               the resolved config
       metrics.jsonl, tb/        one row per step (and per evaluation), TensorBoard events
-      controller_state.json     step, data position, KL controller, evals: rewritten after every step
+      controller_state.json     step, data position, KL controller, evals, trainers' optimizer steps:
+                                rewritten after every step
       rollouts/step_N.jsonl     samples every run.save_rollouts_every steps
       checkpoints/<name>/       + checkpoints/latest
       summary.json              what the last run() ended with

@@ -45,6 +45,7 @@ from .config import Config, ConfigError
 from .data.batch import Batch
 from .data.datasets import PromptDataset, PromptSampler, read_rows, validate_rows
 from .data.tasks import load_task
+from .determinism import configure_process, sample_seeds
 from .errors import UsageError
 from .guard import SessionGuard, deferred_interrupts
 from .metrics import compute
@@ -85,8 +86,7 @@ class Session(WhatIf):
             cfg = cfg.override(*overrides)
         self.cfg = cfg
         self.guard = SessionGuard()  # guard.py: one phase at a time, its owner thread, Ctrl-C held
-        if cfg.cluster.num_threads:
-            torch.set_num_threads(cfg.cluster.num_threads)
+        configure_process(cfg.cluster.num_threads, cfg.run.deterministic)
         torch.manual_seed(cfg.run.seed)
         random.seed(cfg.run.seed)
         self.task = load_task(cfg)
@@ -116,6 +116,7 @@ class Session(WhatIf):
 
         self.kl_ctrl = make_kl_controller(cfg.algo)
         self.step_count = 0
+        self.trainer_steps: dict[str, int] = {}  # role -> its optimizer's step count after the last committed step
         self.skips = SkipWatch(cfg.train.epochs * cfg.train.mini_batches, cfg.train.max_skipped_steps)
         self.metrics = MetricsLog(self.run_dir, cfg.run.tensorboard)
         self.background = None              # the BackgroundRun, when one was started
@@ -125,9 +126,10 @@ class Session(WhatIf):
         self._branch = None                 # the Branch being run (branches.py), or None: the main line
         self.branches: dict = {}            # name -> Branch, every branch this session ran
         self._custom_losses: dict = {}      # name -> policy loss shipped to the policy workers
+        self.state = "ready"
         if _attach:
             self.load_controller_state(self.rundir.read_state())
-        self.state = "ready"
+            self._check_trainers_at_step()
         _LIVE.add(self)
 
     @classmethod
@@ -138,6 +140,19 @@ class Session(WhatIf):
         another live controller drives the run, unless `take_over=True`."""
         run_dir = Path(cluster.find_run(name, address, namespace)["run_dir"])
         return cls(Config.load(run_dir / "config.yaml"), run_dir=run_dir, take_over=take_over, _attach=True)
+
+    def _check_trainers_at_step(self) -> None:
+        """Attached: the trainers must be where the last committed step left them. A controller killed during
+        an update (or between it and its commit) leaves them past it: the session then needs `resync()`."""
+        for role, expected in self.trainer_steps.items():
+            held = self.groups[role].call("adam_steps")[0] if role in self.groups else expected
+            if held != expected:
+                self.state = "needs_resync"
+                log.warning("the %s has taken %d optimizer steps, but this run's last committed step (%d) left it "
+                            "at %d: its controller was killed during step %d's update. Call sess.resync() to "
+                            "return every role to the latest checkpoint", role, held, self.step_count, expected,
+                            self.step_count + 1)
+                return
 
     # ---- what the session holds ------------------------------------------------------------------
     @property
@@ -215,10 +230,16 @@ class Session(WhatIf):
             self.workers.sync(self.step_count)
             self._rollout_stale = False
         if rows is None:
+            draw = ("train", self.sampler.state_dict())  # the data position: one draw's, whatever came before
             rows = [self.train_data.rows[i] for i in self.sampler.next_indices()]
+        else:
+            draw = ("rows", self.step_count, [r[self.cfg.data.prompt_key] for r in rows])
         batch = self.prompts.encode(rows, self.cfg.rollout.n, tag=f"s{self.step_count}")
+        inputs = generate_inputs(batch)
+        if self.cfg.run.deterministic:  # determinism.py: sampling seeded per draw, not by the engine's RNG
+            inputs["sample_seed_B"] = sample_seeds(self.cfg.run.seed, draw, len(batch))
         t0 = time.perf_counter()  # before submitting: the local backend does the work inside submit_shards
-        return batch, self.groups["rollout"].submit_shards("generate", generate_inputs(batch)), t0
+        return batch, self.groups["rollout"].submit_shards("generate", inputs), t0
 
     def _finish_rollout(self, started: tuple) -> Batch:
         with self._phase("rollout"):
@@ -339,6 +360,7 @@ class Session(WhatIf):
                 critic = self.groups["critic"]
                 shards = _minibatch_major(batch, t.mini_batches, critic.world_size)
                 m.update(compute.mean_over_ranks(critic.call_shards("update", shards)))
+                self.trainer_steps["critic"] = int(m.pop("adam_steps"))
             if self.step_count < t.critic_warmup:
                 return
             policy = self.groups["policy"]
@@ -349,6 +371,7 @@ class Session(WhatIf):
             early = (self.workers.start_sync(self.step_count + 1)
                      if self.cfg.cluster.backend == "ray" and not self.workers.rollout_sleeps() else None)
             m.update(compute.mean_over_ranks(policy.collect(pending)))
+            self.trainer_steps["policy"] = int(m.pop("adam_steps"))
         except BaseException:
             self.state = "needs_resync"
             raise
@@ -379,11 +402,12 @@ class Session(WhatIf):
         self.step_count += 1
         if "kl_current" in batch.info:
             self.kl_ctrl.update(batch.info["kl_current"], n_steps=len(batch))
-        self.metrics.log_step(self.step_count, m)
+        self.metrics.record_step(self.step_count, m)
         self.rundir.write_state(self.controller_state())
         k = self.cfg.run.save_rollouts_every
         if k and self.step_count % k == 0:
             self.rundir.write_rollouts(batch, self.step_count)
+        self.metrics.notify(m)  # once the step is on disk: a subscriber sees only committed steps
         self.skips.observe(self.step_count, m)
 
     def step(self) -> dict:
@@ -551,12 +575,13 @@ class Session(WhatIf):
         """What the controller itself holds (the workers hold the rest): saved with every checkpoint and
         after every step (controller_state.json, read by `attach`)."""
         return {"step": self.step_count, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "evals": self.evals, "run_dir": str(self.run_dir)}
+                "evals": self.evals, "run_dir": str(self.run_dir), "trainer_steps": dict(self.trainer_steps)}
 
     def load_controller_state(self, state: dict, metrics: bool = True) -> None:
         """`metrics`: also align the metrics log (rows past the step move aside); a branch returning to the
         main line, whose rows went elsewhere, passes False."""
         self.step_count = state["step"]
+        self.trainer_steps = dict(state.get("trainer_steps", {}))  # absent in runs from before it was kept
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if metrics:

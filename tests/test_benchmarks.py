@@ -19,6 +19,7 @@ from .conftest import REPO
     ("benchmarks/soak.py", ["--steps", "3", "--every", "1"]),
     ("benchmarks/reward_isolation.py", ["--batches", "4", "--reps", "1"]),
     ("benchmarks/whatif.py", ["--backends", "local", "--reps", "1"]),
+    ("benchmarks/determinism.py", ["--backends", "local", "--steps", "1", "--warmup", "0", "--reps", "1"]),
     pytest.param("benchmarks/vs_trl.py", ["--backends", "local", "--steps", "1", "--warmup", "0", "--reps", "1"],
                  marks=pytest.mark.skipif(importlib.util.find_spec("trl") is None,
                                           reason="TRL is a benchmark-only dependency: pip install trl")),

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+import rlbench_nb as rl
+
 from .conftest import REPO, SMALL
 
 CHILD = r'''
@@ -27,7 +29,7 @@ checks = {"interrupts": 0, "violations": []}
 
 def check():
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
-    counts = (sess.groups["policy"].call("optimizer_steps")[0], sess.step_count, len(sess.history), len(rows))
+    counts = (sess.groups["policy"].call("adam_steps")[0], sess.step_count, len(sess.history), len(rows))
     policy = sess.groups["policy"].call("get_weights")[0]
     same = all(torch.equal(w[k], v) for w in sess.groups["rollout"].call("get_weights") for k, v in policy.items())
     if len(set(counts)) != 1 or not same or sess.state != "ready":
@@ -100,3 +102,25 @@ def test_sigint_at_random_moments_leaves_every_count_in_agreement(tmp_path, back
     assert checks["violations"] == [], checks["violations"]
     assert checks["steps"] == list(range(1, 51))  # each step recorded once: none lost, none doubled
     assert checks["resume_matches"]  # the checkpoint saved amid the interrupts resumes exactly
+
+
+def test_trainers_past_the_last_committed_step_are_found_on_attach(small_cfg, tmp_path, caplog):
+    """A controller killed between an update and its commit leaves the trainers a step past its record.
+    What `Session.attach` does (read the record back, ask the trainers) puts the session into needs_resync,
+    saying why; resync returns every role to the latest checkpoint."""
+    with rl.Session(small_cfg("run.tensorboard=false"), run_dir=tmp_path / "run") as sess:
+        sess.step()
+        committed = sess.controller_state()
+        sess.save()
+        sess.step()
+        sess.load_controller_state(committed)  # the record the kill left: step 1
+        sess._check_trainers_at_step()
+        assert sess.state == "needs_resync"
+        said = "the policy has taken 2 optimizer steps, but this run's last committed step (1) left it at 1"
+        assert said in caplog.text
+        with pytest.raises(rl.SessionStateError, match="resync"):
+            sess.step()
+        sess.resync()
+        assert sess.state == "ready" and sess.step_count == 1 and sess.groups["policy"].call("adam_steps") == [1]
+        sess._check_trainers_at_step()
+        assert sess.state == "ready"

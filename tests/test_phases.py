@@ -174,12 +174,12 @@ def test_a_second_ctrl_c_abandons_the_update_and_the_session_asks_for_resync(sma
     monkeypatch.setattr(policy, "update", interrupted_twice)
     with pytest.raises(Abandoned, match="update was abandoned half-way"):
         sess.step()
-    assert sess.state == "needs_resync" and policy.optimizer_steps() == 2 and sess.step_count == 1
+    assert sess.state == "needs_resync" and policy.adam_steps() == 2 and sess.step_count == 1
     with pytest.raises(rl.SessionStateError, match=r"call sess.resync\(\)"):
         sess.rollout()
     monkeypatch.undo()
     sess.resync()
-    assert sess.state == "ready" and policy.optimizer_steps() == sess.step_count == len(sess.history) == 1
+    assert sess.state == "ready" and policy.adam_steps() == sess.step_count == len(sess.history) == 1
     sess.step()
-    assert policy.optimizer_steps() == sess.step_count == 2
+    assert policy.adam_steps() == sess.step_count == 2
     sess.close()

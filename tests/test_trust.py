@@ -61,3 +61,42 @@ def test_the_inspector_colours_tokens_by_the_mismatch(small_cfg, tmp_path):
         mask = batch["response_mask_BR"][0].bool()
         expect = (batch["old_logprobs_BR"][0] - batch["rollout_logprobs_BR"][0])[mask].tolist()
         assert [v for _, v in toks] == expect and max(abs(v) for v in expect) < 5e-5
+
+
+@pytest.fixture
+def process_settings_restored():
+    """run.deterministic changes this process's thread count and algorithm choice: put them back."""
+    import torch
+    threads, strict = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(strict)
+
+
+def _weights_after_one_step(cfg, run_dir, *, redone: bool) -> str:
+    """A step's weights; `redone`: as a controller killed during the step's rollout and attached again does
+    it — the engine sampled once already (its RNG moved on), the data position is the committed one."""
+    import hashlib
+    with rl.Session(cfg, run_dir=run_dir) as sess:
+        if redone:
+            committed = sess.sampler.state_dict()
+            sess.rollout()  # the rollout the kill cut short
+            sess.sampler.load_state_dict(committed)  # what attach reads back from controller_state.json
+        sess.step()
+        w = sess.groups["policy"].call("get_weights")[0]
+        return hashlib.sha256(b"".join(w[k].numpy().tobytes() for k in sorted(w))).hexdigest()
+
+
+@pytest.mark.usefixtures("process_settings_restored")
+def test_deterministic_sampling_does_not_depend_on_draws_that_were_thrown_away(small_cfg, tmp_path):
+    """run.deterministic seeds each rollout from (run.seed, its data position): a step redone after an
+    interruption gives the weights of a run that was never interrupted. Without it the engine's running RNG
+    has moved on, and the weights differ (what makes this test able to fail)."""
+    import torch
+    for mode in ("true", "false"):
+        cfg = small_cfg("run.tensorboard=false", f"run.deterministic={mode}", "task.num_test=8")
+        straight = _weights_after_one_step(cfg, tmp_path / f"straight_{mode}", redone=False)
+        if mode == "true":
+            assert torch.get_num_threads() == 1 and torch.are_deterministic_algorithms_enabled()
+        redone = _weights_after_one_step(cfg, tmp_path / f"redone_{mode}", redone=True)
+        assert (redone == straight) == (mode == "true"), mode

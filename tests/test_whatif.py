@@ -52,7 +52,7 @@ def test_stepping_from_a_restored_snapshot_is_bit_identical(small_cfg, tmp_path)
         assert again == first  # every number of every row, bit for bit
         assert all(torch.equal(v, sess.groups["policy"].call("get_weights")[0][k]) for k, v in weights.items())
         assert_rollout_holds_policy_weights(sess)
-        assert sess.groups["policy"].call("optimizer_steps")[0] == sess.step_count == 4
+        assert sess.groups["policy"].call("adam_steps")[0] == sess.step_count == 4
         # the rows the restore undid are kept aside, as a checkpoint load does
         assert [r["step"] for r in read_jsonl(sess.run_dir / "metrics.superseded.jsonl")] == [2, 3, 4]
         on_disk = sess.snapshot(to_disk=True)
@@ -99,7 +99,7 @@ def test_a_fork_leaves_the_main_line_untouched_and_adopt_continues_from_it(small
         assert sess.cfg.run.checkpoint_every == 7 and not (b.path / "checkpoints").exists()  # a branch saves none
         assert [r["step"] for r in sess.history] == [1, 2, 3, 4]
         assert sess.groups["policy"].workers[0].optimizer.param_groups[0]["lr"] == 1e-3
-        assert sess.groups["policy"].call("optimizer_steps")[0] == 4
+        assert sess.groups["policy"].call("adam_steps")[0] == 4
 
 
 def test_a_branch_refuses_what_would_change_shapes_roles_or_data(small_cfg, tmp_path):

@@ -31,17 +31,20 @@ def attach(cfg) -> dict:
     if ray.is_initialized():
         return ray.cluster_resources()
     t0 = time.time()
-    if c.address and c.address != "auto":
-        _check_reachable(c.address)  # ray.init itself retries for many minutes on a dead address
+    # no address: the cluster a `ray job submit` driver runs in (RAY_ADDRESS), else an embedded one: never a
+    # `ray start` cluster that happens to run on this machine (ray.init() alone would join the newest one)
+    address = c.address or os.environ.get("RAY_ADDRESS") or None
+    if address and address != "auto":
+        _check_reachable(address)  # ray.init itself retries for many minutes on a dead address
     try:
-        if c.address:
-            ray.init(address=c.address, namespace=c.namespace, log_to_driver=c.log_to_driver)
+        if address:
+            ray.init(address=address, namespace=c.namespace, log_to_driver=c.log_to_driver)
         else:
-            ray.init(num_cpus=c.num_cpus or os.cpu_count(), include_dashboard=c.dashboard, namespace=c.namespace,
-                     log_to_driver=c.log_to_driver)
+            ray.init(address="local", num_cpus=c.num_cpus or os.cpu_count(), include_dashboard=c.dashboard,
+                     namespace=c.namespace, log_to_driver=c.log_to_driver)
             _STARTED_BY_US = True
     except (ConnectionError, RuntimeError, ValueError) as e:
-        where = f"the Ray cluster at cluster.address={c.address!r}" if c.address else "an embedded Ray"
+        where = f"the Ray cluster at {address!r}" if address else "an embedded Ray"
         raise ClusterError(f"could not start or reach {where}: {str(e).splitlines()[0]} — check the address "
                            "(`ray status` on the head), that RAY_AUTH_MODE=token was set before ray was imported "
                            "when the cluster uses a token, or unset cluster.address for an embedded cluster") from None
@@ -113,13 +116,14 @@ class _WorkerActor:
     """Hosts one rank of one role, and of any role colocated with it (`rollout.colocate`: the rollout
     engine in the policy's processes). Plain class; `ray.remote` is applied in RayWorkerGroup."""
 
-    def __init__(self, role: str, rank: int, world: int, seed: int, num_threads: int):
+    def __init__(self, role: str, rank: int, world: int, seed: int, num_threads: int, deterministic: bool):
         import torch
         import transformers
+
+        from ..determinism import configure_process
         transformers.logging.disable_progress_bar()  # one bar per actor per load is noise in a notebook
         self.role, self.rank, self.world = role, rank, world
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        configure_process(num_threads, deterministic)
         torch.manual_seed(seed + rank)
         import random
         random.seed(seed + rank)
@@ -249,7 +253,7 @@ class RayWorkerGroup:
                 name=f"{name}/{role}/{rank}", namespace=c.namespace, lifetime=lifetime,
                 num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker, max_concurrency=1,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
-            ).remote(role, rank, world_size, cfg.run.seed, c.num_threads)
+            ).remote(role, rank, world_size, cfg.run.seed, c.num_threads, cfg.run.deterministic)
             for rank in range(world_size)]
         master = self._get([self.actors[0].address.remote()], "address")[0] if world_size > 1 else None
         infos = self._get([a.setup.remote(master, worker_cls, args, {}) for a in self.actors], "__init__")

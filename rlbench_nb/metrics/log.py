@@ -45,9 +45,13 @@ class MetricsLog:
 
     # ---- writing --------------------------------------------------------------------------------
     def log_step(self, step: int, row: dict) -> None:
+        self.record_step(step, row)
+        self.notify(row)
+
+    def record_step(self, step: int, row: dict) -> None:
+        """`log_step` without telling the subscribers (the session tells them once the step is committed)."""
         self.history.append({"step": step, **row})
         self._write(step, row)
-        self.notify(row)
 
     def log_eval(self, result: dict) -> None:
         self.evals.append(result)

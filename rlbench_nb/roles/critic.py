@@ -14,7 +14,7 @@ from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
 from .common import DTYPES, full_sequences, make_adamw, pick_device, read_safetensors, response_hidden_slice
 from .snapshots import SnapshotHolder
-from .trainer import optimizer_steps
+from .trainer import adam_steps, optimizer_steps
 
 
 class ValueModel(nn.Module):
@@ -70,9 +70,14 @@ class CriticWorker(SnapshotHolder):
 
     def update(self, batch: Batch) -> dict:
         """Epochs x mini-batches optimizer steps of the clipped value loss (roles/trainer.py); returns mean
-        stats, and `update/critic_skipped*` for steps a non-finite loss or gradient made it skip."""
-        return optimizer_steps(self.model, self.optimizer, batch, self.cfg.train, self._loss,
-                               grad_norm_key="critic/grad_norm", skip_key="update/critic_skipped")
+        stats, `update/critic_skipped*` for steps a non-finite loss or gradient made it skip, and `adam_steps`
+        (the count so far)."""
+        stats = optimizer_steps(self.model, self.optimizer, batch, self.cfg.train, self._loss,
+                                grad_norm_key="critic/grad_norm", skip_key="update/critic_skipped")
+        return {**stats, "adam_steps": adam_steps(self.model, self.optimizer)}
+
+    def adam_steps(self) -> int:
+        return adam_steps(self.model, self.optimizer)
 
     def _loss(self, mb: Batch, counts: dict) -> tuple[torch.Tensor, dict]:
         mask = mb["response_mask_BR"].float().to(self.device)

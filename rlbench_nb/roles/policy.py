@@ -18,7 +18,7 @@ from . import distributed as dist_util
 from .common import DTYPES, load_causal_lm, make_adamw, pick_device, read_safetensors, rng_state, set_rng_state
 from .scorer import TokenScorer
 from .snapshots import SnapshotHolder
-from .trainer import optimizer_steps
+from .trainer import adam_steps, optimizer_steps
 
 
 class ReferenceWorker:
@@ -97,10 +97,12 @@ class PolicyWorker(SnapshotHolder, ReferenceWorker):
 
     def update(self, batch: Batch, kl_coef: float) -> dict:
         """Epochs x mini-batches optimizer steps on this batch (roles/trainer.py); returns mean stats, and
-        `update/skipped*` for steps a non-finite loss or gradient made it skip."""
-        return optimizer_steps(self.model, self.optimizer, batch, self.cfg.train,
-                               lambda mb, counts: self._loss(mb, counts, kl_coef),
-                               grad_norm_key="actor/grad_norm", skip_key="update/skipped")
+        `update/skipped*` for steps a non-finite loss or gradient made it skip, and `adam_steps` (the count
+        so far: the session keeps it in its controller state)."""
+        stats = optimizer_steps(self.model, self.optimizer, batch, self.cfg.train,
+                                lambda mb, counts: self._loss(mb, counts, kl_coef),
+                                grad_norm_key="actor/grad_norm", skip_key="update/skipped")
+        return {**stats, "adam_steps": adam_steps(self.model, self.optimizer)}
 
     def _loss(self, mb: Batch, counts: dict, kl_coef: float) -> tuple[torch.Tensor, dict]:
         """The clipped policy-gradient loss (+ entropy bonus, + KL loss) of a micro-batch, as its share
@@ -132,10 +134,8 @@ class PolicyWorker(SnapshotHolder, ReferenceWorker):
         """A loss defined in the controller (`@sess.policy_loss`), shipped here by name."""
         POLICY_LOSSES[name] = fn
 
-    def optimizer_steps(self) -> int:
-        """Optimizer steps taken so far (AdamW's own count): what the session's step count must agree with."""
-        state = next((self.optimizer.state[p] for p in self.model.parameters() if p in self.optimizer.state), None)
-        return int(state["step"]) if state else 0
+    def adam_steps(self) -> int:
+        return adam_steps(self.model, self.optimizer)
 
     # ---- weights and state ----------------------------------------------------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:

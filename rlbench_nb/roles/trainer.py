@@ -77,6 +77,13 @@ def _optimizer_step(model, optimizer, mini: Batch, t: TrainConfig, loss_fn: Loss
     return out
 
 
+def adam_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Optimizer steps taken so far (Adam's own count, in checkpoints and snapshots with its state): what the
+    session's record of its trainers must agree with (Session.attach checks it)."""
+    state = next((optimizer.state[p] for p in model.parameters() if p in optimizer.state), None)
+    return int(state["step"]) if state else 0
+
+
 class NonFiniteWeightsError(FloatingPointError):
     """The weights themselves became non-finite in an optimizer step (finite loss and gradient)."""
 

