@@ -6,8 +6,9 @@
 Three settings per backend (each trial in a fresh process: the mode sets process-wide torch state):
 - `default`: run.deterministic=false, torch's default thread count (Ray gives each actor OMP_NUM_THREADS=1);
 - `deterministic`: run.deterministic=true as a user gets it: every process pinned to cluster.num_threads or 1;
-- `deterministic, N threads`: the same with cluster.num_threads=N (this machine's cores): the mode's own cost
-  (deterministic algorithms, per-draw sampling generators), with the thread count put back.
+- `deterministic-threads` (shown as "deterministic, N threads"): the same with cluster.num_threads=N (this
+  machine's cores): the mode's own cost (deterministic algorithms, per-draw generators), threads put back.
+`--settings` picks some of them (the first one chosen is what "vs default" divides by).
 The settings alternate rep by rep, so a slower moment of the machine hits each. `s/step` is the median wall
 time of whole step() calls after the warm-up steps.
 """
@@ -28,10 +29,12 @@ from vs_trl import GROUP, SIZES, model_dir  # the same model sizes and work per 
 BACKENDS = {"local": ["cluster.backend=local"], "ray": ["cluster.backend=ray"]}
 
 
-def settings(cores: int) -> dict[str, list[str]]:
-    return {"default": ["run.deterministic=false"],
-            "deterministic": ["run.deterministic=true"],
-            f"deterministic, {cores} threads": ["run.deterministic=true", f"cluster.num_threads={cores}"]}
+def settings(cores: int, chosen: list[str]) -> dict[str, list[str]]:
+    every = {"default": ("default", ["run.deterministic=false"]),
+             "deterministic": ("deterministic", ["run.deterministic=true"]),
+             "deterministic-threads": (f"deterministic, {cores} threads",
+                                       ["run.deterministic=true", f"cluster.num_threads={cores}"])}
+    return dict(every[k] for k in chosen)
 
 
 def trial(spec: dict) -> dict:
@@ -59,6 +62,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--settings", nargs="+", choices=["default", "deterministic", "deterministic-threads"],
+                    default=["default", "deterministic", "deterministic-threads"])
     ap.add_argument("--json", help="also write the table's rows to this file")
     ap.add_argument("--trial", help=argparse.SUPPRESS)  # internal: run one trial, print its JSON
     args = ap.parse_args()
@@ -72,16 +77,17 @@ def main() -> None:
         for size in args.sizes:
             path = model_dir(size, Path(tmp))
             for backend in args.backends:
-                times: dict[str, list[float]] = {name: [] for name in settings(cores)}
+                chosen = settings(cores, args.settings)
+                times: dict[str, list[float]] = {name: [] for name in chosen}
                 for _ in range(args.reps):
-                    for name, overrides in settings(cores).items():
+                    for name, overrides in chosen.items():
                         spec = {"size": size, "path": str(path), "run_dir": str(Path(tmp) / "runs"),
                                 "overrides": [*BACKENDS[backend], *overrides], "steps": args.steps,
                                 "warmup": args.warmup}
                         out = subprocess.run([sys.executable, __file__, "--trial", json.dumps(spec)],
                                              capture_output=True, text=True, check=True)
                         times[name].append(json.loads(out.stdout.strip().splitlines()[-1])["step_s"])
-                base = statistics.median(times["default"])
+                base = statistics.median(next(iter(times.values())))  # the first setting: default unless left out
                 for name, reps in times.items():
                     med = statistics.median(reps)
                     rows.append({"size": size, "backend": backend, "setting": name, "step_s": med,

@@ -6,6 +6,7 @@
     rlbench-nb train --help                                  # every config field, its default and meaning
     rlbench-nb export notebooks/01_quickstart.ipynb -o train.py   # the notebook as a batch script
     rlbench-nb kernel install [--ray-address HOST:PORT]      # the Jupyter kernel, extension loaded
+    rlbench-nb data gsm8k Downloads/gsm8k -o data/gsm8k       # a published dataset -> prompt files (or: math)
 """
 from __future__ import annotations
 
@@ -122,10 +123,33 @@ def kernel(argv: list[str]) -> int:
     return 0
 
 
+def data(argv: list[str]) -> int:
+    from .data.prepare import INSTRUCTIONS, prepare
+    p = argparse.ArgumentParser(prog="rlbench-nb data", description="A math dataset you downloaded, in its "
+                                "published schema (Parquet or JSONL), as prompt files: DIR/train.jsonl, "
+                                "DIR/test.jsonl with 'prompt' and 'answer'. Nothing is downloaded.")
+    p.add_argument("dataset", choices=sorted(INSTRUCTIONS))
+    p.add_argument("src", help="the dataset's file, or the folder holding its files")
+    p.add_argument("-o", "--output", required=True, help="folder to write train.jsonl / test.jsonl into")
+    args = p.parse_args(argv)
+    done = prepare(args.dataset, args.src, args.output)
+    for split, path in done.files.items():
+        print(f"{split}: {done.rows[split]} rows -> {path}")
+    if done.skipped:
+        print(f"skipped {len(done.skipped)} row(s) without a usable answer; first: "
+              + "; ".join(done.skipped[:3]), file=sys.stderr)
+    reward = "gsm8k" if args.dataset == "gsm8k" else "boxed_math"
+    train, test = done.files.get("train"), done.files.get("test")
+    print("use with: " + " ".join(x for x in (f"data.train_path={train}" if train else "",
+                                             f"data.test_path={test}" if test else "",
+                                             f"reward.fn=rlbench_nb.rewards:{reward}") if x))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    commands = {"train": train, "export": export, "kernel": kernel}
+    commands = {"train": train, "export": export, "kernel": kernel, "data": data}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         return 0 if not argv or argv[0] in ("-h", "--help") else 2

@@ -16,6 +16,7 @@ PACKAGE = REPO / "rlbench_nb"
 # Session.dashboard() does the widgets)
 FORBIDDEN = {
     "algos": ("cluster", "data", "roles", "metrics", "session", "runner", "widgets", "ipython", "checkpoint"),
+    "rewards": ("cluster", "data", "roles", "metrics", "session", "runner", "widgets", "ipython", "checkpoint"),
     "data": ("cluster", "roles", "session", "runner", "widgets", "ipython", "checkpoint"),
     "metrics": ("cluster", "roles", "session", "runner", "widgets", "ipython"),
     "roles": ("cluster", "session", "runner", "widgets", "ipython"),

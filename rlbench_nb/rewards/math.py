@@ -1,0 +1,83 @@
+"""Verifiable math rewards, each a plain `fn(prompt, response, **row) -> float` usable as `reward.fn`:
+
+    reward.fn: rlbench_nb.rewards:gsm8k          # "#### 72" or else the last number, against row["answer"]
+    reward.fn: rlbench_nb.rewards:boxed_math     # the last \\boxed{...}, against row["answer"]
+    reward.fn: rlbench_nb.rewards:think_format   # <think>...</think> then an answer
+
+`combine` weighs several into one (in a file of your own: `reward.fn: my_rewards.py:reward`).
+The ground truth may be the bare answer or a whole reference solution (GSM8K's "... #### 72", MATH's
+"... \\boxed{...}"): the answer is taken out of it the same way.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from .answers import boxed_answer, equivalent, hashes_answer, last_number, to_number
+
+
+def gsm8k(prompt: str, response: str, answer: str, strict: bool = False, **_) -> float:
+    """1.0 when the response's final answer equals the row's by value ("1,000" = "1000.0" = "$1000"), else 0.0.
+    The final answer is what follows the last `####`; without one, the last number in the response (unless
+    `strict`, as verl's strict mode: then no `####` scores 0)."""
+    predicted = hashes_answer(response)
+    if predicted is None and not strict:
+        predicted = last_number(response)
+    if predicted is None:
+        return 0.0
+    truth = hashes_answer(str(answer)) or str(answer)
+    given, expected = to_number(predicted), to_number(truth)
+    if given is None:
+        given = _first_number(predicted)
+    return float(given is not None and expected is not None and given == expected)
+
+
+def _first_number(text: str):
+    """`#### 18 dollars and 50 cents`-style lines: their first number is the answer given."""
+    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    return to_number(found[0]) if found else None
+
+
+def boxed_math(prompt: str, response: str, answer: str, **_) -> float:
+    """1.0 when the response's last `\\boxed{...}` is equivalent to the row's answer (answers.equivalent:
+    math-verify when installed, else numbers by value and normalised LaTeX), else 0.0; no box scores 0."""
+    predicted = boxed_answer(response)
+    if predicted is None:
+        return 0.0
+    truth = boxed_answer(str(answer)) or str(answer)
+    return float(equivalent(predicted, truth))
+
+
+THINK_RE = re.compile(r"^\s*<think>(?P<thought>.*?)</think>\s*(?P<answer>\S.*)$", re.DOTALL)
+
+
+def think_format(prompt: str, response: str, **_) -> float:
+    """1.0 when the response is `<think>...</think>` with something in it, then a non-empty answer, and no
+    second `<think>`; else 0.0. A prompt that already opens `<think>` (a chat template that starts the
+    thought) counts as the response's opening tag."""
+    text = response if not prompt.rstrip().endswith("<think>") else "<think>" + response
+    m = THINK_RE.match(text)
+    return float(bool(m and m["thought"].strip() and "<think>" not in m["answer"]))
+
+
+def combine(*parts: tuple[Callable[..., float], float]) -> Callable[..., float]:
+    """One reward from weighted parts: `combine((gsm8k, 1.0), (think_format, 0.2))` scores
+    1.0 * gsm8k(...) + 0.2 * think_format(...). Each part gets the same arguments; a part that raises fails
+    the sample (the reward worker records the error and scores it 0), never silently scores 0 itself."""
+    if not parts:
+        raise ValueError("combine() needs at least one (function, weight) pair")
+    for part in parts:
+        if not (isinstance(part, tuple) and len(part) == 2 and callable(part[0])
+                and isinstance(part[1], (int, float))):
+            raise TypeError(f"combine() takes (function, weight) pairs, got {part!r}")
+
+    def combined(prompt: str, response: str, **row) -> float:
+        return sum(weight * fn(prompt, response, **row) for fn, weight in parts)
+
+    combined.__name__ = "+".join(f"{w:g}*{getattr(f, '__name__', 'reward')}" for f, w in parts)
+    # the package's own rewards run in the reward worker's process; a combination holding code of yours is
+    # yours, and keeps the isolation yours gets (reward.isolation: auto)
+    modules = [getattr(f, "__module__", None) or "__main__" for f, _ in parts]
+    yours = [m for m in modules if not m.startswith("rlbench_nb.")]
+    combined.__module__ = yours[0] if yours else combined.__module__
+    return combined
