@@ -233,7 +233,7 @@ class Session(WhatIf):
             draw = ("train", self.sampler.state_dict())  # the data position: one draw's, whatever came before
             rows = [self.train_data.rows[i] for i in self.sampler.next_indices()]
         else:
-            draw = ("rows", self.step_count, [r[self.cfg.data.prompt_key] for r in rows])
+            draw = ("rows", self.step_count, [r["prompt"] for r in rows])  # what encode reads
         batch = self.prompts.encode(rows, self.cfg.rollout.n, tag=f"s{self.step_count}")
         inputs = generate_inputs(batch)
         if self.cfg.run.deterministic:  # determinism.py: sampling seeded per draw, not by the engine's RNG
