@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from .answers import boxed_answer, equivalent, hashes_answer, last_number, to_number
+from .answers import NUMBER_RE, boxed_answer, equivalent, hashes_answer, last_number, to_number
 
 
 def gsm8k(prompt: str, response: str, answer: str, strict: bool = False, **_) -> float:
@@ -34,7 +34,7 @@ def gsm8k(prompt: str, response: str, answer: str, strict: bool = False, **_) ->
 
 def _first_number(text: str):
     """`#### 18 dollars and 50 cents`-style lines: their first number is the answer given."""
-    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    found = NUMBER_RE.findall(text)
     return to_number(found[0]) if found else None
 
 

@@ -70,11 +70,9 @@ class CriticWorker(SnapshotHolder):
 
     def update(self, batch: Batch) -> dict:
         """Epochs x mini-batches optimizer steps of the clipped value loss (roles/trainer.py); returns mean
-        stats, `update/critic_skipped*` for steps a non-finite loss or gradient made it skip, and `adam_steps`
-        (the count so far)."""
-        stats = optimizer_steps(self.model, self.optimizer, batch, self.cfg.train, self._loss,
-                                grad_norm_key="critic/grad_norm", skip_key="update/critic_skipped")
-        return {**stats, "adam_steps": adam_steps(self.model, self.optimizer)}
+        stats, `update/critic_skipped*` for steps a non-finite loss or gradient made it skip, and `adam_steps`."""
+        return optimizer_steps(self.model, self.optimizer, batch, self.cfg.train, self._loss,
+                               grad_norm_key="critic/grad_norm", skip_key="update/critic_skipped")
 
     def adam_steps(self) -> int:
         return adam_steps(self.model, self.optimizer)

@@ -97,12 +97,10 @@ class PolicyWorker(SnapshotHolder, ReferenceWorker):
 
     def update(self, batch: Batch, kl_coef: float) -> dict:
         """Epochs x mini-batches optimizer steps on this batch (roles/trainer.py); returns mean stats, and
-        `update/skipped*` for steps a non-finite loss or gradient made it skip, and `adam_steps` (the count
-        so far: the session keeps it in its controller state)."""
-        stats = optimizer_steps(self.model, self.optimizer, batch, self.cfg.train,
-                                lambda mb, counts: self._loss(mb, counts, kl_coef),
-                                grad_norm_key="actor/grad_norm", skip_key="update/skipped")
-        return {**stats, "adam_steps": adam_steps(self.model, self.optimizer)}
+        `update/skipped*` for steps a non-finite loss or gradient made it skip, and `adam_steps`."""
+        return optimizer_steps(self.model, self.optimizer, batch, self.cfg.train,
+                               lambda mb, counts: self._loss(mb, counts, kl_coef),
+                               grad_norm_key="actor/grad_norm", skip_key="update/skipped")
 
     def _loss(self, mb: Batch, counts: dict, kl_coef: float) -> tuple[torch.Tensor, dict]:
         """The clipped policy-gradient loss (+ entropy bonus, + KL loss) of a micro-batch, as its share

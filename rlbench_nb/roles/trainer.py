@@ -23,8 +23,8 @@ LossFn = Callable[[Batch, dict], tuple[torch.Tensor, dict]]
 def optimizer_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, t: TrainConfig,
                     loss_fn: LossFn, *, grad_norm_key: str, skip_key: str) -> dict:
     """`t.epochs` passes over `batch`, each `t.mini_batches` optimizer steps. Returns the mean of each
-    statistic over the steps taken (with `grad_norm_key`), and `skip_key` (steps skipped) with
-    `<skip_key>_nonfinite_loss` / `_grad` saying which number was not finite."""
+    statistic over the steps taken (with `grad_norm_key`), `skip_key` (steps skipped) with
+    `<skip_key>_nonfinite_loss` / `_grad` saying which number was not finite, and `adam_steps`."""
     totals: dict[str, float] = {}
     taken = 0
     skips = {f"{skip_key}_nonfinite_loss": 0, f"{skip_key}_nonfinite_grad": 0}
@@ -40,6 +40,7 @@ def optimizer_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ba
     out = {k: v / max(taken, 1) for k, v in totals.items()}
     out[skip_key] = sum(skips.values())
     out.update(skips)
+    out["adam_steps"] = adam_steps(model, optimizer)  # the count so far: the session keeps it (attach checks it)
     return out
 
 
