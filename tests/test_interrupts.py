@@ -35,23 +35,33 @@ def check():
     if len(set(counts)) != 1 or not same or sess.state != "ready":
         checks["violations"].append({"counts": counts, "rollout_is_policy": same, "state": sess.state})
 
-(run_dir / "READY").write_text("go")
-while sess.step_count < steps:
-    try:
+go = ("READY", "go")  # the parent interrupts only after this file says so, and it is written inside the try:
+# a SIGINT is taken at any bytecode boundary, so one landing on a line outside it would escape the script
+
+
+def drive():
+    (run_dir / go[0]).write_text(go[1])
+    while sess.step_count < steps:
         if sess.step_count == quiet_from and not calm.exists():
             sess.save("quiet")
             calm.write_text("stop interrupting")  # the last 10 steps run straight
         sess.step()
+
+
+while True:
+    try:
+        drive()
+        break
     except KeyboardInterrupt:
         checks["interrupts"] += 1
         while True:  # a second interrupt during the check (a tiny window) just means checking again
             try:
                 with deferred_interrupts("the check"):
                     check()
-                    (run_dir / "ACK").write_text(str(checks["interrupts"]))  # the parent may send the next
                 break
             except KeyboardInterrupt:
                 checks["interrupts"] += 1
+        go = ("ACK", str(checks["interrupts"]))  # the parent may send the next once drive() is back in the try
 check()
 straight = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
 sess.close()
