@@ -60,6 +60,8 @@ def variant(cfg: Config, overrides) -> Config:
             raise ConfigError(f"a branch cannot change '{dotted}': the main line's data position and files "
                               "are what a branch starts from")
     for role, uses in (("critic", "uses_critic"), ("reference", "uses_reference")):
+        if role == "reference" and cfg.model.lora.r:
+            continue  # the LoRA policy is its own reference (adapters off): any branch may turn KL on
         if getattr(cfg, uses) != getattr(new, uses):
             need = "needs" if getattr(new, uses) else "does not use"
             raise ConfigError(f"the branch's settings {need} a {role} model, and this session "

@@ -121,6 +121,25 @@ class TaskConfig(_Section):
         return self
 
 
+class LoraConfig(_Section):
+    r: int = Field(0, ge=0)
+    """Adapter rank; 0: no adapters, the whole model trains. >0: only LoRA adapters train (peft), the reference
+    is the same model with its adapters off, checkpoints hold the adapter (docs/lora.md)."""
+    alpha: float = Field(32.0, gt=0)
+    """Adapter scale numerator: the update is (alpha / r) * B @ A."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names to adapt (e.g. [q_proj, v_proj]), or every linear layer but the output head."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training (the trainer's log-probs then differ from the engine's)."""
+
+    @model_validator(mode="after")
+    def _peft_installed(self):
+        import importlib.util
+        if self.r and importlib.util.find_spec("peft") is None:
+            raise ValueError("LoRA needs the peft package: pip install 'rlbench-nb[lora]' (or set model.lora.r=0)")
+        return self
+
+
 class ModelConfig(_Section):
     path: str | None = None
     """Local Hugging Face model directory; null: the task's warm-started model."""
@@ -135,6 +154,8 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype. Trainers keep fp32 master weights and compute in it (FSDP2 mixed precision when sharded,
     autocast otherwise); rollout and reference hold their weights in it."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapters: model.lora.r > 0 trains adapters only (model.lora.r=16 model.lora.alpha=32)."""
 
 
 class DataConfig(_Section):
@@ -409,9 +430,22 @@ class Config(_Section):
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+def _subsection(field) -> type[_Section] | None:
+    """The section class a field holds (model.lora), or None for a plain value."""
+    t = field.annotation
+    return t if isinstance(t, type) and issubclass(t, _Section) else None
+
+
+def _leaves(section: type[_Section], prefix: str):
+    """(dotted key, field) of every plain value in `section`, nested sections walked."""
+    for k, f in section.model_fields.items():
+        sub = _subsection(f)
+        yield from (_leaves(sub, f"{prefix}.{k}") if sub else [(f"{prefix}.{k}", f)])
+
+
 def all_keys() -> list[str]:
-    """Every dotted key, e.g. 'algo.kl_coef'."""
-    return [f"{s}.{k}" for s, sec in _SECTIONS.items() for k in sec.model_fields]
+    """Every dotted key, e.g. 'algo.kl_coef', 'model.lora.r'."""
+    return [key for s, sec in _SECTIONS.items() for key, _ in _leaves(sec, s)]
 
 
 def help_text() -> str:
@@ -419,8 +453,9 @@ def help_text() -> str:
     lines = []
     for s, sec in _SECTIONS.items():
         lines.append(f"{s}:  {Config.model_fields[s].description}")
-        for k, f in sec.model_fields.items():
-            lines.append(f"  {s}.{k:<22} = {f.default!r:<14} {' '.join((f.description or '').split())}")
+        for key, f in _leaves(sec, s):
+            default = f.default_factory() if f.default_factory else f.default
+            lines.append(f"  {key:<28} = {default!r:<14} {' '.join((f.description or '').split())}")
     return "\n".join(lines)
 
 
@@ -475,16 +510,23 @@ def _apply_override(data: dict, item: str) -> None:
     key, raw = item.split("=", 1)
     key = key.strip()
     parts = key.split(".")
-    if len(parts) != 2 or parts[0] not in _SECTIONS:
-        raise ConfigError(f"unknown config key '{key}'{_nearest(key)}")
-    section, leaf = parts
-    if leaf not in _SECTIONS[section].model_fields:
+    section = _SECTIONS.get(parts[0])
+    if len(parts) < 2 or section is None:
         raise ConfigError(f"unknown config key '{key}'{_nearest(key)}")
     value = yaml.safe_load(raw) if raw.strip() else None
-    data.setdefault(section, {})
-    if not isinstance(data[section], dict):
-        raise ConfigError(f"config section '{section}' must be a mapping, got {data[section]!r}")
-    data[section][leaf] = value
+    cur, where = data, parts[0]
+    for i, p in enumerate(parts[1:], start=1):  # down the nested sections (model.lora.r) to the leaf's mapping
+        cur = cur.setdefault(parts[i - 1], {})
+        if not isinstance(cur, dict):
+            raise ConfigError(f"config section '{where}' must be a mapping, got {cur!r}")
+        if section is None or p not in section.model_fields:
+            raise ConfigError(f"unknown config key '{key}'{_nearest(key)}")
+        where = f"{where}.{p}"
+        section = _subsection(section.model_fields[p])
+    if section is not None and not isinstance(value, dict | None):
+        first = next(iter(section.model_fields))
+        raise ConfigError(f"'{key}' is a section: set one of its keys (e.g. {key}.{first}=...)")
+    cur[parts[-1]] = value
 
 
 def _lookup(data: dict, loc: tuple) -> Any:

@@ -306,8 +306,9 @@ class Session(WhatIf):
                         out["old_logprobs_BR"], batch["rollout_logprobs_BR"], mask, a.rollout_is, a.rollout_is_cap)
                     m.update(is_stats)
             rewards = outcome_token_rewards(batch["scores_B"], mask)
-            if "reference" in self.groups:
-                out.update(self.groups["reference"].call_split("compute_logprobs", batch))
+            if self.cfg.uses_reference:  # with LoRA: the policy's own model with its adapters off
+                out.update(self.groups["reference"].call_split("compute_logprobs", batch) if "reference" in self.groups
+                           else self.groups["policy"].call_split("reference_logprobs", batch))
                 kl_BR, current = reference_kl(out["old_logprobs_BR"], out["ref_logprobs_BR"], mask, a.kl_estimator)
                 m.update({"kl/ref": masked_mean(kl_BR, mask).item(), "kl/coef": self.kl_ctrl.value})
                 out.info["kl_current"] = current  # the KL controller moves when the step is taken (update)
@@ -331,7 +332,7 @@ class Session(WhatIf):
         """algo.reuse_logprobs, where it is exact: the update's first forward sees the weights that sampled."""
         t = self.cfg.train
         return (self.cfg.algo.reuse_logprobs and t.epochs == 1 and t.mini_batches == 1
-                and "reference" not in self.groups and self.cfg.algo.rollout_is == "off")
+                and not self.cfg.uses_reference and self.cfg.algo.rollout_is == "off")
 
     def update(self, batch: Batch) -> dict:
         """Critic and policy optimizer steps on `batch`, then the weights to the rollout engine. Ends the

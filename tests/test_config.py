@@ -89,3 +89,18 @@ def test_files_that_would_lose_a_section_or_cannot_be_read_are_one_line_errors(t
     p.write_text("\n")  # a failed copy, not a wish for every default
     with pytest.raises(ConfigError, match="c.yaml is empty"):
         Config.load(p)
+
+
+def test_nested_sections_take_dotted_overrides_and_name_typos():
+    """model.lora is a section inside a section: its keys override like any other, typos get the nearest
+    key, and a whole section set to a scalar says which keys it has."""
+    cfg = Config.load(None, ["model.lora.r=8", "model.lora.target_modules=[q_proj,v_proj]"])
+    assert cfg.model.lora.r == 8 and cfg.model.lora.target_modules == ["q_proj", "v_proj"]
+    assert Config.from_dict({"model": {"lora": {"alpha": 4}}}).model.lora.alpha == 4
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.lora.rank' \(did you mean 'model.lora.r'\?\)"):
+        Config.load(None, ["model.lora.rank=8"])
+    with pytest.raises(ConfigError, match=r"'model.lora' is a section: set one of its keys \(e.g. model.lora.r=...\)"):
+        Config.load(None, ["model.lora=8"])
+    with pytest.raises(ConfigError, match="model.lora.r"):
+        Config.load(None, ["model.lora.r=-1"])
+    assert "model.lora.target_modules" in help_text()

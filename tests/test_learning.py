@@ -21,6 +21,17 @@ def test_the_main_job_raises_held_out_accuracy_past_the_bar(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft not installed")
+def test_lora_grpo_raises_held_out_accuracy(tmp_path):
+    """configs/arith_grpo_lora.yaml (r=16 on every linear layer, lr 2e-3), seed 0. Measured on this 2-core
+    Xeon: 0.438 -> 0.680 (+0.242); the issue's bar is +0.15."""
+    cfg = rl.Config.load(REPO / "configs/arith_grpo_lora.yaml", [f"run.dir={tmp_path}", "run.tensorboard=false"])
+    with rl.Session(cfg) as sess:
+        summary = sess.run(progress=False)
+    assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.15, summary
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 def test_grpo_with_the_vllm_engine_learns(tmp_path):
     """The same run with vLLM generating, shortened to 150 steps (vLLM's per-request overhead makes a step

@@ -11,7 +11,7 @@ def role_specs(cfg, model_dir: str, eos_token_id: int, pad_token_id: int, reward
     specs = {"policy": (PolicyWorker, (cfg, model_dir)),
              "rollout": (rollout_worker_class(cfg.rollout.engine), (cfg, model_dir, eos_token_id, pad_token_id)),
              "reward": (RewardWorker, (reward_fn, cfg.reward, cfg.cluster.backend == "local"))}
-    if cfg.uses_reference:
+    if cfg.uses_reference and not cfg.model.lora.r:  # with LoRA the policy, adapters off, is the reference
         specs["reference"] = (ReferenceWorker, (cfg, model_dir))
     if cfg.uses_critic:
         specs["critic"] = (CriticWorker, (cfg, model_dir))

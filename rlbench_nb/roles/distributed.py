@@ -63,21 +63,34 @@ def local_scalar(x) -> float:
     return float(x)
 
 
-def full_model_state(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
-    """Full CPU weights on rank 0 ({} on other ranks). A collective when sharded: every rank must call it."""
+def full_model_state(model: torch.nn.Module, sharded: bool, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """Full CPU weights on rank 0 ({} on other ranks); `trainable_only`: those that require grad (LoRA's
+    adapters). A collective when sharded: every rank must call it."""
     if not sharded:
-        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        trained = {n for n, p in model.named_parameters() if p.requires_grad} if trainable_only else None
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()
+                if trained is None or k in trained}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=trainable_only))
 
 
-def load_full_model_state(model: torch.nn.Module, state: dict, sharded: bool) -> None:
+def load_full_model_state(model: torch.nn.Module, state: dict, sharded: bool, partial: bool = False) -> None:
+    """Copy full (unsharded) `state` into `model`; `partial`: only some of its weights (LoRA's adapters),
+    each of which must exist in the model."""
     from .common import load_weights
+    if partial:
+        unknown = sorted(set(state) - set(model.state_dict()))
+        if unknown:
+            raise ValueError(f"weights do not fit the model: unexpected {unknown[:5]}")
     if not sharded:
-        load_weights(model, state)
+        if partial:
+            model.load_state_dict(state, strict=False)
+        else:
+            load_weights(model, state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=not partial))
 
 
 def full_optimizer_state(model, optimizer, sharded: bool) -> dict:

@@ -15,6 +15,7 @@ from ..config import Config
 from ..data.batch import Batch
 from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
+from . import lora as lora_util
 from .common import DTYPES, load_causal_lm, make_adamw, pick_device, read_safetensors, rng_state, set_rng_state
 from .scorer import TokenScorer
 from .snapshots import SnapshotHolder
@@ -33,6 +34,10 @@ class ReferenceWorker:
         compute = DTYPES[cfg.model.dtype]
         # a trainer keeps fp32 master weights and computes in model.dtype; a frozen model just holds model.dtype
         self.model = load_causal_lm(model_dir, "float32" if self.trains else cfg.model.dtype, self.device)
+        self.lora = cfg.model.lora if self.trains and cfg.model.lora.r else None
+        if self.lora:  # adapters only train; the base stays frozen (and is the reference: reference_logprobs)
+            self.model = lora_util.add_adapters(self.model, self.lora, cfg.run.seed)
+            self.base_fingerprint = lora_util.base_fingerprint(self.model)
         if self.trains and cfg.train.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.scorer = TokenScorer(self.model, cfg.train.logprob_chunk_mb, cfg.rollout.temperature, compute,
@@ -45,7 +50,8 @@ class ReferenceWorker:
         # what it is built around) nor activation checkpointing (HF turns the cache off there)
         self.scorer.share_prefix = (cfg.train.share_prompt_prefix and not self.sharded
                                     and not (self.trains and cfg.train.activation_checkpointing))
-        self.model.requires_grad_(self.trains)
+        if not self.lora:  # peft has frozen all but the adapters
+            self.model.requires_grad_(self.trains)
         self.model.train(self.trains)
 
     def _forward(self, batch: Batch, with_entropy: bool = False):
@@ -83,11 +89,20 @@ class PolicyWorker(SnapshotHolder, ReferenceWorker):
     def __init__(self, cfg: Config, model_dir: str):
         super().__init__(cfg, model_dir)
         t = cfg.train
-        self.optimizer = make_adamw(self.model.parameters(), t.lr, t.betas, t.weight_decay, self.sharded)
+        params = lora_util.trainable_parameters(self.model) if self.lora else self.model.parameters()
+        self.optimizer = make_adamw(params, t.lr, t.betas, t.weight_decay, self.sharded)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, key: str = "old_logprobs_BR") -> Batch:
         return super().compute_logprobs(batch, key)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: Batch) -> Batch:
+        """With LoRA the reference is this very model with its adapters off: no second copy of the weights."""
+        if not self.lora:
+            raise RuntimeError("reference_logprobs is the LoRA policy's; without adapters the reference role scores")
+        with self.model.disable_adapter():
+            return ReferenceWorker.compute_logprobs(self, batch, "ref_logprobs_BR")
 
     def set_config(self, cfg: Config) -> None:
         super().set_config(cfg)
@@ -138,28 +153,55 @@ class PolicyWorker(SnapshotHolder, ReferenceWorker):
     # ---- weights and state ----------------------------------------------------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:
         """Full CPU weights in the rollout's dtype (model.dtype) on rank 0 ({} elsewhere); gathers when
-        sharded: O(model size). Every rank must be called."""
+        sharded: O(model size). With LoRA: the base model's weights with the adapters merged in. Every rank
+        must be called."""
         dtype = DTYPES[self.cfg.model.dtype]
-        return {k: v.to(dtype) for k, v in dist_util.full_model_state(self.model, self.sharded).items()}
+        state = dist_util.full_model_state(self.model, self.sharded)
+        if self.lora and state:
+            state = lora_util.merged_state(state, lora_util.scaling(self.lora))
+        return {k: v.to(dtype) for k, v in state.items()}
 
     def save(self, path: str) -> None:
-        """Weights as safetensors (a loadable HF model dir), optimizer and RNG state as tensors-only files.
-        Every rank must be called (gathers when sharded); rank 0 writes."""
-        state = dist_util.full_model_state(self.model, self.sharded)
+        """Weights as safetensors (a loadable HF model dir; with LoRA the adapter alone, a peft adapter dir),
+        optimizer and RNG state as tensors-only files. Every rank must be called (gathers when sharded);
+        rank 0 writes."""
+        state = dist_util.full_model_state(self.model, self.sharded, trainable_only=bool(self.lora))
         optim = dist_util.full_optimizer_state(self.model, self.optimizer, self.sharded)
         if dist_util.rank() == 0:
             path = Path(path)
             path.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(str(path), state_dict=state)  # config, generation config, safetensors
-            torch.save({"optimizer": optim, "rng": rng_state()}, path / "trainer_state.pt")
+            extra = {"optimizer": optim, "rng": rng_state()}
+            if self.lora:  # adapter_model.safetensors + adapter_config.json: PeftModel.from_pretrained loads it
+                from safetensors.torch import save_file
+                save_file(lora_util.adapter_state(state), str(path / "adapter_model.safetensors"))
+                self.model.peft_config[lora_util.ADAPTER].save_pretrained(str(path))
+                extra["base_fingerprint"] = self.base_fingerprint
+            else:
+                self.model.save_pretrained(str(path), state_dict=state)  # config, generation config, safetensors
+            torch.save(extra, path / "trainer_state.pt")
 
     def load(self, path: str) -> None:
         path = Path(path)
-        state = read_safetensors(path / "model.safetensors", "cpu" if self.sharded else self.device)
-        dist_util.load_full_model_state(self.model, state, self.sharded)
-        extra = load_tensors(path / "trainer_state.pt", map_location="cpu" if self.sharded else self.device)
+        where = "cpu" if self.sharded else self.device
+        extra = load_tensors(path / "trainer_state.pt", map_location=where)
+        if self.lora:
+            self._load_adapter(path, extra)
+        else:
+            dist_util.load_full_model_state(self.model, read_safetensors(path / "model.safetensors", where),
+                                            self.sharded)
         dist_util.load_full_optimizer_state(self.model, self.optimizer, extra["optimizer"], self.sharded)
         set_rng_state(extra["rng"])
+
+    def _load_adapter(self, path: Path, extra: dict) -> None:
+        if not (path / "adapter_model.safetensors").exists():
+            raise ValueError(f"{path} holds no adapter (adapter_model.safetensors): it was saved without "
+                             "model.lora; load it with the config it was saved with")
+        if not torch.equal(extra["base_fingerprint"].cpu(), self.base_fingerprint.cpu()):
+            raise ValueError(f"the adapter in {path} was trained on another base model than "
+                             f"{self.cfg.model.path or 'the task model'} holds now: load it onto the base it was "
+                             "saved with (its adapter_config.json names it)")
+        adapter = lora_util.adapter_to_model_names(read_safetensors(path / "adapter_model.safetensors", "cpu"))
+        dist_util.load_full_model_state(self.model, adapter, self.sharded, partial=True)
 
 
 def _mismatch_shares(trainer_BR: torch.Tensor, rollout_BR: torch.Tensor, mask: torch.Tensor, counts: dict) -> dict:

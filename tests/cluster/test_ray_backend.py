@@ -62,6 +62,41 @@ def test_two_fsdp_ranks_match_one_rank(ray_cluster, small_cfg):
         assert (w1[k] - w2[k]).norm() <= 0.02 * (w1[k] - start[k]).norm() + 1e-7, k
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft not installed")
+def test_lora_under_two_fsdp_ranks_matches_one_process(ray_cluster, small_cfg, tmp_path):
+    """LoRA with the policy sharded over 2 FSDP2 ranks: the same steps as the local backend's one process
+    (tolerances as in test_two_fsdp_ranks_match_one_rank: summation order), the base weights sharded and
+    frozen, the engine verified on the merged weights; the checkpoint gathers the adapter alone, and a new
+    sharded session resumes from it to the same next step."""
+    lora = ["model.lora.r=4", "model.lora.alpha=8", "algo.kl_coef=0.05", "train.lr=1e-2",
+            "train.share_prompt_prefix=false", "run.tensorboard=false"]
+    local = rl.Session(small_cfg(*lora))
+    want = [_comparable(local.step()) for _ in range(2)]
+    want_w = local.groups["policy"].call("get_weights")[0]
+    local.close()
+    sess = rl.Session(small_cfg(*RAY, *lora, "cluster.train_ranks=2"))
+    assert "reference" not in sess.groups
+    got = [sess.step() for _ in range(2)]
+    for a, b in zip(want, got):
+        assert a == pytest.approx(_comparable(b), rel=1e-3, abs=1e-6)
+    assert got[-1]["sync/verified"] == 1.0
+    shards = sess.groups["policy"].call("local_shards")
+    assert shards[0]["base_model.model.model.layers.0.mlp.up_proj.base_layer.weight"][0][0] * 2 == 256
+    assert_rollout_holds_policy_weights(sess)
+    w = sess.groups["policy"].call("get_weights")[0]
+    for k in w:
+        torch.testing.assert_close(w[k], want_w[k], rtol=0, atol=1e-4, msg=k)
+    path = sess.save("adapter")
+    assert not (path / "policy" / "model.safetensors").exists()
+    nxt = sess.step()
+    sess.close()
+    again = rl.Session.load(path, run_dir=tmp_path / "resumed")
+    resumed = again.step()
+    again.close()
+    assert _comparable(resumed) == pytest.approx(_comparable(nxt), rel=1e-6, abs=1e-7)
+
+
 def test_bf16_fsdp_keeps_fp32_master_shards_and_trains_like_one_process(ray_cluster, small_cfg):
     """FSDP2 mixed precision: fp32 shards (the optimizer's master copy), bf16 compute; the step's
     numbers agree with the single-process bf16 path (autocast) to bf16 precision."""
