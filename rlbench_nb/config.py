@@ -46,9 +46,26 @@ class RunConfig(_Section):
     """Held-out greedy accuracy every K steps during run() (0: before and after only)."""
     tensorboard: bool = True
     """Write TensorBoard event files into the run directory."""
+    trackers: list[Literal["wandb", "mlflow"]] = []
+    """Also log to these (metrics each step, the config, rollout samples every run.save_rollouts_every steps):
+    wandb (offline unless WANDB_MODE says otherwise, files in RUN_DIR/wandb), mlflow (MLFLOW_TRACKING_URI, else a
+    file store in RUN_DIR/mlruns). Optional installs: pip install 'rlbench-nb[wandb]' / '[mlflow]'."""
+    tracker_project: str = "rlbench-nb"
+    """W&B project / MLflow experiment the run is logged under (its run name is run.name)."""
+    tracker_samples: int = Field(16, ge=0)
+    """Rollout samples in each tracker table."""
     deterministic: bool = False
     """Bit-identical weights for the same seed, config and rank layout: fixed thread counts (cluster.num_threads,
     or 1), deterministic torch algorithms, sampling seeded per draw (determinism.py; docs/determinism.md)."""
+
+    @field_validator("trackers")
+    @classmethod
+    def _trackers_installed(cls, names: list[str]) -> list[str]:
+        import importlib.util
+        for n in names:
+            if importlib.util.find_spec(n) is None:
+                raise ValueError(f"{n} is not installed: pip install 'rlbench-nb[{n}]' (or drop it from run.trackers)")
+        return list(dict.fromkeys(names))
 
     @field_validator("name")
     @classmethod

@@ -51,6 +51,7 @@ from .guard import SessionGuard, deferred_interrupts
 from .metrics import compute
 from .metrics.health import SkipWatch
 from .metrics.log import MetricsLog
+from .metrics.trackers import make_trackers
 from .prompts import PromptCodec, generate_inputs, reward_inputs
 from .roles import load_reward_fn, role_specs
 from .rundir import Lease, RunDir, fresh_run_dir
@@ -105,6 +106,7 @@ class Session(WhatIf):
         self.lease = Lease(self.run_dir)
         self.lease.acquire(take_over)  # before anything starts: a refused second controller costs nothing
         self.rundir.write_config(cfg)
+        trackers = make_trackers(cfg.run.trackers, self.run_dir, cfg)  # before the workers: a bad setup costs nothing
         if cfg.rollout.engine == "vllm" and cfg.cluster.backend == "local":
             from .roles.rollout.vllm_engine import import_vllm
             import_vllm()  # a missing install is one clear line before any worker starts
@@ -118,7 +120,7 @@ class Session(WhatIf):
         self.step_count = 0
         self.trainer_steps: dict[str, int] = {}  # role -> its optimizer's step count after the last committed step
         self.skips = SkipWatch(cfg.train.epochs * cfg.train.mini_batches, cfg.train.max_skipped_steps)
-        self.metrics = MetricsLog(self.run_dir, cfg.run.tensorboard)
+        self.metrics = MetricsLog(self.run_dir, cfg.run.tensorboard, trackers, cfg.run.tracker_samples)
         self.background = None              # the BackgroundRun, when one was started
         self._rollout_stale = False         # a weight push failed after an update: push before generating
         self.last_saved_step: int | None = None  # the step of this session's newest checkpoint
@@ -408,6 +410,8 @@ class Session(WhatIf):
         k = self.cfg.run.save_rollouts_every
         if k and self.step_count % k == 0:
             self.rundir.write_rollouts(batch, self.step_count)
+            if self.cfg.run.trackers:
+                self.metrics.log_samples(self.step_count, batch.rows())
         self.metrics.notify(m)  # once the step is on disk: a subscriber sees only committed steps
         self.skips.observe(self.step_count, m)
 

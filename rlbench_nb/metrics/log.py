@@ -1,8 +1,8 @@
 """`MetricsLog`: every metric row goes through one object, which fans it out (as tinker-cookbook's
-`MultiplexLogger`): the in-memory history and evals the dashboard draws, metrics.jsonl, TensorBoard, and
-whoever subscribed with `on_step`.
+`MultiplexLogger`): the in-memory history and evals the dashboard draws, metrics.jsonl, TensorBoard, the
+trackers (W&B, MLflow: metrics/trackers.py), and whoever subscribed with `on_step`.
 
-    log = MetricsLog(run_dir, tensorboard=True)
+    log = MetricsLog(run_dir, tensorboard=True, trackers=make_trackers(["mlflow"], run_dir, cfg))
     unsubscribe = log.on_step(lambda row: print(row and row["reward/mean"]))   # None: redraw, no new step
     log.log_step(1, {"reward/mean": 0.5})
     log.log_eval({"step": 1, "eval/accuracy": 0.4, "eval/n": 200})
@@ -23,25 +23,33 @@ Subscriber = Callable[[dict | None], None]
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    def __init__(self, run_dir: Path, tensorboard: bool, trackers=(), tracker_samples: int = 16):
         self.path = Path(run_dir) / "metrics.jsonl"
         self._tb_dir = Path(run_dir) / "tb" if tensorboard else None
         self.history: list[dict] = []   # one row per training step, with its "step"
         self.evals: list[dict] = []     # one row per evaluation, with its "step"
         self._subscribers: list[Subscriber] = []
-        self._sinks: list = []
-        self.open()
+        self._sinks: list = []     # the run directory's files: a failure to write them stops the step
+        self._trackers = list(trackers)  # services: one that fails is dropped, training goes on
+        self._tracker_samples = tracker_samples
+        self._open_files()
 
-    def open(self) -> None:
-        self.close()
+    def _open_files(self) -> None:
+        self._close_files()
         self._sinks = [JSONLSink(self.path)]
         if self._tb_dir is not None:
             self._sinks.append(TensorBoardSink(self._tb_dir))
 
-    def close(self) -> None:
+    def _close_files(self) -> None:
         for s in self._sinks:
             s.close()
         self._sinks = []
+
+    def close(self) -> None:
+        self._close_files()
+        for t in self._trackers:
+            self._tracker_call(t, "close")
+        self._trackers = []
 
     # ---- writing --------------------------------------------------------------------------------
     def log_step(self, step: int, row: dict) -> None:
@@ -58,12 +66,29 @@ class MetricsLog:
         self._write(result["step"], {k: v for k, v in result.items() if k != "step"})
         self.notify(None)
 
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        """A table of rollout samples (`Batch.rows()`) to the trackers that take one."""
+        if self._tracker_samples:
+            for t in list(self._trackers):
+                self._tracker_call(t, "write_samples", step, rows, self._tracker_samples)
+
     def _write(self, step: int, row: dict) -> None:
         for s in self._sinks:
             try:
                 s.write(step, row)
             except OSError as e:  # a full disk: say so; the next open mends a torn last line
                 raise RunDirError(e.errno, write_failure(self.path, e)) from None
+        for t in list(self._trackers):
+            self._tracker_call(t, "write", step, row)
+
+    def _tracker_call(self, tracker, method: str, *args) -> None:
+        try:
+            getattr(tracker, method)(*args)
+        except Exception as e:  # metrics.jsonl is the record; a tracker is a view of it
+            log.warning("%s failed in %s (%s: %s): it gets nothing more this session; metrics.jsonl has every row",
+                        type(tracker).__name__, method, type(e).__name__, e)
+            if tracker in self._trackers:
+                self._trackers.remove(tracker)
 
     # ---- subscribers ----------------------------------------------------------------------------
     def on_step(self, fn: Subscriber) -> Callable[[], None]:
@@ -88,10 +113,10 @@ class MetricsLog:
     def restore(self, step: int, evals: list[dict]) -> None:
         """Align with a state restored at `step`: rows written after it move to metrics.superseded.jsonl
         (kept, not lost), the history is re-read from the file, and `evals` are the state's own."""
-        self.close()  # the file is rewritten: reopen after
+        self._close_files()  # the file is rewritten: reopen after (trackers stay open: their rows past `step` stay)
         self.history = _truncate(self.path, step)
         self.evals = list(evals)
-        self.open()
+        self._open_files()
 
 
 def _truncate(metrics_path: Path, step: int) -> list[dict]:
