@@ -96,14 +96,15 @@ def save_live_sessions(resume_command: str) -> None:
 def export(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rlbench-nb export", description="Notebook -> batch script (never executes it).")
     p.add_argument("notebook")
-    p.add_argument("-o", "--output", help="output file (default: the notebook's name with .py)")
+    p.add_argument("-o", "--output", help="output file (default: the notebook's name with .py, in this folder)")
+    p.add_argument("--force", action="store_true", help="replace an existing output that is not an earlier export")
     p.add_argument("--format", default="script", choices=["script", "py:percent"],
                    help="'script': runnable with flags; 'py:percent': jupytext round trip, tags kept")
     args = p.parse_args(argv)
     from pathlib import Path
 
     from .export import export as do_export
-    out = do_export(args.notebook, args.output or Path(args.notebook).with_suffix(".py").name, args.format)
+    out = do_export(args.notebook, args.output or Path(args.notebook).with_suffix(".py").name, args.format, args.force)
     print(f"wrote {out}")
     return 0
 

@@ -14,6 +14,15 @@ Cells by tag (the conventions people already use):
 The exporter parses cells but never executes them. IPython magics in kept cells are an error naming the
 cell and line, except `%load_ext ...` and `%matplotlib ...`, which are dropped. `display(x)` prints `x`.
 Top-level `await` makes `main()` run an `async` body with `asyncio.run`.
+
+The script runs from any folder (a cluster job's working directory, a colleague's checkout): a parameter
+naming a YAML file the notebook can reach (from its own folder or up to three above, as `Config.load`
+looks) is embedded in the script, with the relative paths inside it (data, model, reward file) made
+absolute; any other parameter naming an existing file or folder becomes its absolute path. Passing the
+flag (`--config other.yaml`) still overrides. What a notebook means and a function body cannot, the export
+either keeps meaning the same (`from x import *` moves to the module; names a cell's function declares
+`global` are global in `main()` too; a parameter assigned twice keeps its last value, as in the notebook)
+or refuses with the cell and line (`input()`, a parameter named `help`).
 """
 from __future__ import annotations
 
@@ -21,7 +30,7 @@ import ast
 import io
 import json
 import tokenize
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import RLBenchError
@@ -57,13 +66,22 @@ class Parameter:
 
 
 def read_cells(path: str | Path) -> list[Cell]:
+    """The notebook's cells; an older format (nbformat 3: worksheets, `input`) is upgraded by nbformat."""
     path = Path(path)
     try:
-        nb = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        nb = json.loads(text)
     except FileNotFoundError:
         raise ExportError(f"{path}: no such file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ExportError(f"{path} is not a notebook: invalid JSON ({e})") from None
+    if isinstance(nb, dict) and nb.get("nbformat", 4) < 4 and isinstance(nb.get("worksheets"), list):
+        import nbformat
+        try:
+            nb = json.loads(nbformat.writes(nbformat.reads(text, as_version=4)))
+        except Exception as e:  # nbformat's own validation and conversion errors
+            version = nb.get("nbformat")
+            raise ExportError(f"{path}: nbformat cannot upgrade this version {version} notebook ({e})") from None
     if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list) or "nbformat" not in nb:
         raise ExportError(f"{path} is not a notebook: no 'cells' list / 'nbformat' field")
     cells = []
@@ -106,8 +124,10 @@ def _has_top_level_await(tree: ast.Module) -> bool:
 
 
 def parse_parameters(cell: Cell) -> list[Parameter]:
+    """The parameters cell's assignments, one per name (a name assigned twice keeps its last value, as the
+    notebook would); `help` is refused (it is the script's --help)."""
     tree = _parse(cell, cell.source)
-    params = []
+    params: dict[str, Parameter] = {}
     for node in tree.body:
         target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
             node.target if isinstance(node, ast.AnnAssign) else None
@@ -121,8 +141,97 @@ def parse_parameters(cell: Cell) -> list[Parameter]:
         except ValueError:
             raise ExportError(f"{cell.where()}: parameter '{target.id}' must be a literal (number, string, "
                               f"bool, None, list), got {ast.get_source_segment(cell.source, value)!r}") from None
-        params.append(Parameter(target.id, default, ast.get_source_segment(cell.source, node)))
-    return params
+        if target.id == "help":
+            raise ExportError(f"{cell.where()}, line {node.lineno}: a parameter named 'help' would be the script's "
+                              "--help flag; rename it")
+        params.pop(target.id, None)  # the last assignment is the one the notebook runs with
+        params[target.id] = Parameter(target.id, default, ast.get_source_segment(cell.source, node))
+    return list(params.values())
+
+
+def _check_cell(cell: Cell, tree: ast.Module) -> tuple[list[ast.stmt], set[str]]:
+    """What a cell needs at module level: its top-level `from x import *` lines (moved out of `main()`, where
+    Python forbids them) and the names its functions declare `global` (global in `main()` too, so they
+    mean the notebook's variables). Refuses what has no batch meaning, naming cell and line."""
+    hoisted, global_names, top_globals = [], set(), []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
+            hoisted.append(node)
+        elif isinstance(node, ast.Global):  # at a cell's top level: main() declares it first instead
+            top_globals.append(node)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names) and node not in hoisted:
+            raise ExportError(f"{cell.where()}, line {node.lineno}: `from {node.module} import *` inside a block "
+                              "cannot move into the script's main(); import the names you use")
+        if isinstance(node, ast.Global):
+            global_names.update(node.names)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "input":
+            raise ExportError(f"{cell.where()}, line {node.lineno}: input() waits for someone to type, and a batch "
+                              "run has no one: make the answer a parameter (the parameters cell), or tag the cell "
+                              "'interactive'")
+    return hoisted + top_globals, global_names
+
+
+def _hoist(code: str, nodes: list[ast.stmt]) -> str:
+    """`code` with the lines of these top-level statements blanked: line numbers stay."""
+    out = code.splitlines()
+    for node in nodes:
+        for i in range(node.lineno - 1, node.end_lineno):
+            out[i] = ""
+    return "\n".join(out)
+
+
+def _reachable(value: str, folder: Path, parents: int = 0) -> Path | None:
+    """`value` as a path from `folder` (the notebook's, which is its kernel's working directory), or from up
+    to `parents` folders above it (what `Config.load` does for a config file), if it names something there."""
+    p = Path(value)
+    if p.is_absolute():
+        return p if p.exists() else None
+    for base in [folder, *list(folder.parents)[:parents]]:
+        if (base / p).exists():
+            return (base / p).resolve()
+    return None
+
+
+PATH_KEYS = (("data", "train_path"), ("data", "test_path"), ("model", "path"))
+
+
+def _embeddable_config(path: Path, folder: Path) -> str:
+    """The YAML text of a config file, its relative paths (data files, model, a reward file) made absolute
+    against `folder`, the notebook's (they are opened from the working directory, as the notebook did)."""
+    import yaml
+    text = path.read_text(encoding="utf-8")
+    data = yaml.safe_load(text) or {}
+    changed = False
+    for section, key in PATH_KEYS:
+        value = (data.get(section) or {}).get(key)
+        found = _reachable(value, folder) if isinstance(value, str) and value else None
+        if found is not None and not Path(value).is_absolute():
+            data[section][key] = str(found)
+            changed = True
+    fn = (data.get("reward") or {}).get("fn")
+    if isinstance(fn, str) and ".py:" in fn and not Path(fn.rsplit(":", 1)[0]).is_absolute():
+        file, name = fn.rsplit(":", 1)
+        found = _reachable(file, folder)
+        if found is not None:
+            data["reward"]["fn"] = f"{found}:{name}"
+            changed = True
+    return yaml.safe_dump(data, sort_keys=False) if changed else text
+
+
+def resolve_files(params: list[Parameter], folder: Path) -> tuple[list[Parameter], dict[str, str]]:
+    """Parameters naming files the notebook reaches: YAML configs embedded (returned as {value: text}),
+    other files and folders as absolute paths."""
+    out, embedded = [], {}
+    for p in params:
+        text = p.default if isinstance(p.default, str) and p.default else None
+        config = _reachable(text, folder, parents=3) if text and text.endswith((".yaml", ".yml")) else None
+        if config is not None and config.is_file():
+            embedded[text] = _embeddable_config(config, folder)
+        elif text and not Path(text).is_absolute() and (found := _reachable(text, folder)) is not None:
+            p = replace(p, default=str(found))
+        out.append(p)
+    return out, embedded
 
 
 def _indent(code: str, prefix: str = "    ") -> str:
@@ -158,12 +267,16 @@ def to_script(path: str | Path) -> str:
     """The notebook at `path` as a runnable script (a string)."""
     path = Path(path)
     pcell, kept, dropped = _plan(read_cells(path))
-    params = parse_parameters(pcell) if pcell else []
-    bodies, is_async = [], False
+    params, embedded = resolve_files(parse_parameters(pcell) if pcell else [], path.resolve().parent)
+    bodies, is_async, star_imports, global_names = [], False, [], set()
     for cell in kept:
         code = _strip_magics(cell)
-        is_async |= _has_top_level_await(_parse(cell, code))
-        bodies.append(f"# ---- cell {cell.index}\n{code}")
+        tree = _parse(cell, code)
+        is_async |= _has_top_level_await(tree)
+        hoisted, names_ = _check_cell(replace(cell, source=code), tree)
+        star_imports += [ast.get_source_segment(code, n) for n in hoisted if isinstance(n, ast.ImportFrom)]
+        global_names |= names_
+        bodies.append(f"# ---- cell {cell.index}\n{_hoist(code, hoisted)}")
     names = [p.name for p in params]
     flags = []
     for p in params:
@@ -177,22 +290,50 @@ def to_script(path: str | Path) -> str:
     header = (f'"""Exported from {path.as_posix()} by `rlbench-nb export` — edit the notebook, not this file.\n\n'
               f"Parameters: cell {pcell.index if pcell else '-'}; kept cells: {[c.index for c in kept]}; "
               f"dropped (interactive): {[c.index for c in dropped]}.\n"
-              f'Run it with --help for the flags.\n"""')
+              + (f"Embedded at export (used unless the flag names another file): {sorted(embedded)}.\n"
+                 if embedded else "")
+              + 'Run it with --help for the flags; it runs from any folder.\n"""')
     body = "\n\n".join(bodies) or "pass"
-    setup = ("    args = _parse_args(argv)\n" +
-             "".join(f"    {n} = args.{n}\n" for n in names))
+    setup = ((f"    global {', '.join(sorted(global_names))}  # declared global by a cell's function\n"
+              if global_names else "") +
+             "    _cli = _parse_args(_argv)\n" +
+             "".join(f"    {n} = _embedded(_cli.{n})\n" if isinstance(p.default, str) and p.default in embedded
+                     else f"    {n} = _cli.{n}\n"
+                     for n, p in zip(names, params)))
     resume = ('"python " + sys.argv[0] + " --resume {run_dir}"' if "resume" in names
               else '"rl.Session.load(\'{run_dir}\') in Python"')
     if is_async:
-        main = (f"async def _main_async(argv=None):\n{setup}\n{_indent(body)}\n\n\n"
-                "def main(argv=None):\n    asyncio.run(_main_async(argv))\n")
+        main = (f"async def _main_async(_argv=None):\n{setup}\n{_indent(body)}\n\n\n"
+                "def main(_argv=None):\n    asyncio.run(_main_async(_argv))\n")
     else:
-        main = f"def main(argv=None):\n{setup}\n{_indent(body)}\n"
+        main = f"def main(_argv=None):\n{setup}\n{_indent(body)}\n"
+    stars = "".join(f"{line}  # from a cell: star imports live at module level\n" for line in star_imports)
     return f'''{header}
 import argparse
 import asyncio
+import hashlib
 import json
+import os
 import sys
+import tempfile
+from pathlib import Path
+{stars}
+_EMBEDDED = {embedded!r}
+
+
+def _embedded(value):
+    """A config file the notebook named, as it was at export: written once to a temporary file (named by its
+    content) and that path returned. Any other value (a flag naming another file) is returned as given."""
+    if value not in _EMBEDDED:
+        return value
+    text = _EMBEDDED[value]
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"rlbench-export-{{digest}}-{{Path(value).name}}"
+    if not path.exists():  # written aside, then renamed: a run never reads half a file
+        tmp = path.with_name(f"{{path.name}}.{{os.getpid()}}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    return str(path)
 
 
 def display(*objs, **_):
@@ -255,11 +396,29 @@ def to_percent(path: str | Path) -> str:
     return "\n".join(out)
 
 
-def export(path: str | Path, output: str | Path, fmt: str = "script") -> Path:
-    """Write the script (`fmt='script'`) or the py:percent twin (`fmt='py:percent'`) to `output`."""
+def export(path: str | Path, output: str | Path, fmt: str = "script", force: bool = False) -> Path:
+    """Write the script (`fmt='script'`) or the py:percent twin (`fmt='py:percent'`) to `output`. Never over
+    the notebook itself, nor over a file that is not an earlier export of it unless `force`."""
     if fmt not in ("script", "py:percent"):
         raise ExportError(f"unknown format {fmt!r}; use 'script' or 'py:percent'")
-    text = to_script(path) if fmt == "script" else to_percent(path)
     output = Path(output)
+    if output.suffix == ".ipynb" or (output.exists() and Path(path).exists() and output.samefile(path)):
+        raise ExportError(f"-o {output} would overwrite a notebook: name a .py file")
+    if output.exists() and not force and not _earlier_export(output, Path(path)):
+        raise ExportError(f"{output} exists and is not an export of {Path(path).name}: choose another -o, or "
+                          "--force to replace it")
+    text = to_script(path) if fmt == "script" else to_percent(path)
     output.write_text(text, encoding="utf-8")
     return output
+
+
+def _earlier_export(output: Path, notebook: Path) -> bool:
+    """Whether `output` is an earlier export of `notebook` (a script's first line names it) or a jupytext
+    py:percent file."""
+    try:
+        with output.open(encoding="utf-8") as f:
+            head = f.readline() + f.readline()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return (head.startswith('"""Exported from ') and f"{notebook.name} by `rlbench-nb export`" in head.splitlines()[0]
+            or head.startswith("# ---\n# jupyter:"))

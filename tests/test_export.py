@@ -52,7 +52,7 @@ def test_top_level_await_display_and_dropped_magics(tmp_path):
     nb = notebook(tmp_path, ("n = 2", "parameters"),
                   ("%load_ext rlbench_nb\nimport asyncio\nawait asyncio.sleep(0)\ndisplay({'n': n})",))
     script = export(nb, tmp_path / "s.py")
-    assert "asyncio.run(_main_async(argv))" in script.read_text()
+    assert "asyncio.run(_main_async(_argv))" in script.read_text()
     out = run_script(script, "--n", "5")
     assert out.returncode == 0 and "{'n': 5}" in out.stdout
 
@@ -65,6 +65,10 @@ def test_top_level_await_display_and_dropped_magics(tmp_path):
     ([("import os\na = 1", "parameters")],
      "cell 0 ('import os'): the parameters cell may hold only simple assignments"),
     ([("a = os.getcwd()", "parameters")], "parameter 'a' must be a literal"),
+    ([("steps = 3\nhelp = 'x'", "parameters")], "cell 0 ('steps = 3'), line 2: a parameter named 'help'"),
+    ([("x = 1",), ("name = input()\nprint(name)",)],
+     "cell 1 ('name = input()'), line 1: input() waits for someone to type"),
+    ([("if True:\n    from os.path import *",)], "cell 0 ('if True:'), line 2: `from os.path import *` inside a block"),
 ])
 def test_bad_notebooks_name_the_cell(tmp_path, cells, message):
     nb = notebook(tmp_path, *cells)
@@ -124,10 +128,79 @@ def test_notebook_and_exported_script_give_the_same_run(tmp_path):
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
     outputs = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
     assert "held-out accuracy" in outputs
-    script = export(REPO / "notebooks/01_quickstart.ipynb", tmp_path / "train.py")
+    elsewhere = tmp_path / "elsewhere"  # not the repository: the script carries the config it names
+    elsewhere.mkdir()
+    script = export(REPO / "notebooks/01_quickstart.ipynb", elsewhere / "train.py")
     out = subprocess.run([sys.executable, str(script), "--steps", "2", "--run-dir", str(tmp_path / "script"),
-                          *overrides], cwd=REPO, capture_output=True, text=True, timeout=600)
+                          *overrides], cwd=elsewhere, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     a, b = _training_rows(tmp_path / "nb" / "metrics.jsonl"), _training_rows(tmp_path / "script" / "metrics.jsonl")
     assert [r["step"] for r in a] == [1, 2]  # one step by hand, then run() until step `steps`
     assert a == b
+
+
+def test_what_a_notebook_means_the_script_means_too(tmp_path):
+    """A parameter assigned twice keeps its last value; one named `args` works; a star import moves to the
+    module; a name a cell's function declares global is the same variable the other cells use."""
+    nb = notebook(tmp_path, ("steps = 1\nargs = 'a'\nsteps = 5", "parameters"),
+                  ("from math import *\ncounter = 0",),
+                  ("def bump():\n    global counter\n    counter += 1\n\nbump()\nglobal counter\nbump()",),
+                  ("print(steps, args, counter, floor(pi))",))
+    script = export(nb, tmp_path / "nb.py")
+    out = run_script(script)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["5", "a", "2", "3"]
+    assert run_script(script, "--args", "b", "--steps", "7").stdout.split() == ["7", "b", "2", "3"]
+
+
+def test_an_old_format_notebook_is_upgraded_not_refused(tmp_path):
+    """nbformat 3 (worksheets, `input`): what older Jupyter wrote, and tools still emit."""
+    v3 = {"nbformat": 3, "nbformat_minor": 0, "metadata": {"name": "old"},
+          "worksheets": [{"cells": [{"cell_type": "code", "input": ["x = 40\n", "print(x + 2)"], "language": "python",
+                                     "outputs": [], "metadata": {}, "prompt_number": 1}], "metadata": {}}]}
+    (tmp_path / "old.ipynb").write_text(json.dumps(v3))
+    out = run_script(export(tmp_path / "old.ipynb", tmp_path / "old.py"))
+    assert out.returncode == 0 and out.stdout.strip() == "42", out.stderr
+
+
+def test_exports_never_overwrite_a_notebook_or_a_stranger(tmp_path):
+    nb = notebook(tmp_path, ("x = 1",))
+    with pytest.raises(ExportError, match="would overwrite a notebook"):
+        export(nb, nb)
+    with pytest.raises(ExportError, match="would overwrite a notebook"):
+        export(nb, tmp_path / "other.ipynb")
+    mine = tmp_path / "nb.py"
+    mine.write_text("my own work\n")
+    with pytest.raises(ExportError, match="exists and is not an export of nb.ipynb: choose another -o, or --force"):
+        export(nb, mine)
+    assert mine.read_text() == "my own work\n"  # untouched
+    export(nb, mine, force=True)
+    export(nb, mine)  # an earlier export of the same notebook is replaced without asking
+    out = subprocess.run([sys.executable, "-m", "rlbench_nb.cli", "export", str(nb)], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and (tmp_path / "nb.py").read_text().startswith('"""Exported from')
+
+
+def test_a_config_the_notebook_names_travels_with_the_script(tmp_path):
+    """The YAML is embedded with its relative data path made absolute (from the notebook's folder, as the
+    notebook finds it); a flag naming another file still wins; a plain file parameter becomes absolute."""
+    project = tmp_path / "project"
+    (project / "configs").mkdir(parents=True)  # found from notebooks/ one folder up, as Config.load does
+    (project / "notebooks" / "data").mkdir(parents=True)  # opened from the kernel's folder: the notebook's
+    (project / "notebooks" / "data" / "train.jsonl").write_text('{"prompt": "1+1="}\n')
+    (project / "configs" / "exp.yaml").write_text("data:\n  train_path: data/train.jsonl\nrun:\n  steps: 3\n")
+    nb = notebook(project / "notebooks", ("config = 'configs/exp.yaml'\nrows = 'data/train.jsonl'", "parameters"),
+                  ("import rlbench_nb as rl\ncfg = rl.Config.load(config)\nprint(cfg.data.train_path, cfg.run.steps)\n"
+                   "print(open(rows).read().strip())",))
+    away = tmp_path / "away"
+    away.mkdir()
+    script = export(nb, away / "exp.py")
+    out = subprocess.run([sys.executable, str(script)], cwd=away, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"{(project / 'notebooks' / 'data' / 'train.jsonl').resolve()} 3"
+    assert lines[1] == '{"prompt": "1+1="}'
+    (away / "mine.yaml").write_text("run:\n  steps: 9\n")
+    out = subprocess.run([sys.executable, str(script), "--config", "mine.yaml"], cwd=away, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.splitlines()[0].endswith(" 9"), out.stderr[-2000:]

@@ -85,7 +85,7 @@ def _acknowledged(run_dir) -> int:
         return 0
 
 
-@pytest.mark.parametrize("backend", ["local", "ray"])
+@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.slow)])  # ray: ~1.5 min
 def test_sigint_at_random_moments_leaves_every_count_in_agreement(tmp_path, backend):
     extra = ["cluster.backend=ray", "cluster.num_threads=1"] if backend == "ray" else []
     run_dir, out, calm = tmp_path / "run", tmp_path / "out.json", tmp_path / "calm"
