@@ -112,7 +112,13 @@ class Session(WhatIf):
             import_vllm()  # a missing install is one clear line before any worker starts
         tok = self.prompts.tokenizer
         specs = role_specs(cfg, str(self.task.model_dir), tok.eos_token_id, tok.pad_token_id, self._reward_fn)
-        self.workers = Workers(cfg, specs, self.name, reattach=_attach)
+        try:
+            self.workers = Workers(cfg, specs, self.name, reattach=_attach)
+        except BaseException:  # a session that never started holds nothing: its run directory, its tracker runs
+            for tracker in trackers:
+                tracker.close()
+            self.lease.release()
+            raise
         if not _attach and cfg.cluster.backend == "ray":
             self.groups["policy"].set_meta({"run_dir": str(self.run_dir)})
 

@@ -132,3 +132,11 @@ def test_lora_config_errors_name_the_fix(small_cfg):
         small_cfg("model.lora.rank=4")
     with pytest.raises(ValueError, match="does not fit this model.*linear layers are .*q_proj"):
         _tiny_peft_model(targets="[qkv]")  # what the policy worker calls (a WorkerError carries it to the cell)
+
+
+def test_a_session_whose_workers_fail_to_start_leaves_its_run_directory_free(small_cfg, tmp_path):
+    """The constructor raised, so there is no session to close: it must not keep the run directory's lease
+    (a corrected retry on the same folder was refused as 'in use by another session in this process')."""
+    with pytest.raises(rl.RLBenchError, match="does not fit this model"):
+        rl.Session(small_cfg(*LORA, "model.lora.target_modules=[qkv]"), run_dir=tmp_path / "run")
+    rl.Session(small_cfg(*LORA), run_dir=tmp_path / "run").close()
