@@ -108,7 +108,7 @@ def load(path: str | Path, run_dir: str | Path | None = None, overrides=(), take
 
 # ---- files --------------------------------------------------------------------------------------
 def checkpoint_path(run_dir: Path, name: str) -> Path:
-    """RUN_DIR/checkpoints/<name>, for a name that is a plain folder name (no separators, not empty, '.',
+    """`RUN_DIR/checkpoints/<name>`, for a name that is a plain folder name (no separators, not empty, '.',
     '..', hidden or reserved): anything else could write outside the folder or clobber its bookkeeping."""
     name = str(name)
     if (not name or name in (".", "..") or name.startswith(".") or "/" in name or "\\" in name
