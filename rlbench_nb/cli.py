@@ -5,6 +5,7 @@
     rlbench-nb train --resume runs/arith-grpo                # continue from the run's latest checkpoint
     rlbench-nb train --help                                  # every config field, its default and meaning
     rlbench-nb export notebooks/01_quickstart.ipynb -o train.py   # the notebook as a batch script
+    rlbench-nb report runs/arith-grpo -o report.html         # a run as one HTML file (curves, samples, config)
     rlbench-nb kernel install [--ray-address HOST:PORT]      # the Jupyter kernel, extension loaded
     rlbench-nb data gsm8k Downloads/gsm8k -o data/gsm8k       # a published dataset -> prompt files (or: math)
 """
@@ -109,6 +110,21 @@ def export(argv: list[str]) -> int:
     return 0
 
 
+def report(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="rlbench-nb report", description="A run directory as one standalone HTML file: the dashboard's curves, "
+        "the summary, rollout samples and the config; opens in any browser without a kernel or network.")
+    p.add_argument("run_dir", help="a run directory (e.g. runs/arith-grpo)")
+    p.add_argument("-o", "--output", help="output file (default: RUN_DIR/report.html)")
+    p.add_argument("--smoothing", type=float, default=0.0, help="EMA weight for noisy curves, 0 to 0.99 (default 0)")
+    args = p.parse_args(argv)
+    if not 0.0 <= args.smoothing < 1.0:
+        p.error(f"--smoothing must be in [0, 1): got {args.smoothing}")
+    from .report import report_from_run_dir
+    print(f"wrote {report_from_run_dir(args.run_dir, args.output, args.smoothing)}")
+    return 0
+
+
 def kernel(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rlbench-nb kernel",
                                 description="Install the Jupyter kernel for this environment.")
@@ -150,7 +166,7 @@ def data(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    commands = {"train": train, "export": export, "kernel": kernel, "data": data}
+    commands = {"train": train, "export": export, "report": report, "kernel": kernel, "data": data}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         return 0 if not argv or argv[0] in ("-h", "--help") else 2

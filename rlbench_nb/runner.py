@@ -60,6 +60,7 @@ def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, on_failu
     from tqdm.auto import tqdm
     t0 = time.time()
     start, target, restores, failed_at = sess.step_count, sess.step_count + steps, 0, -1
+    sess.run_target = target  # the dashboard's "step / total" and ETA
     before = sess.evals[0] if sess.evals else sess.evaluate()
     bar = tqdm(total=steps, desc="train", disable=not progress, dynamic_ncols=True)
     pending = None  # async: the next batch's rollout, started before this step's update
@@ -157,6 +158,8 @@ class BackgroundRun:
         self.task: asyncio.Task | None = None
         self.summary: dict | None = None
         self.error: BaseException | None = None  # what the loop raised, if it failed
+        self.started = time.time()
+        self._ended = False  # the loop has returned or raised (the task itself ends a moment later)
         self._error_raised = False
 
     @classmethod
@@ -179,6 +182,8 @@ class BackgroundRun:
             self.summary = await asyncio.to_thread(self._thread_main, steps, options)
         except BaseException as e:  # kept for the dashboard and the next interaction
             self.error = e
+        self._ended = True  # before the final redraw, so the dashboard says finished / stopped / failed
+        sess.run_outcome, sess.run_end_step = self.state, sess.step_count
         sess.metrics.notify(None)  # final redraw with the end state
         return self.summary
 
@@ -196,7 +201,7 @@ class BackgroundRun:
 
     @property
     def done(self) -> bool:
-        return self.task is None or self.task.done()
+        return self.task is None or self._ended or self.task.done()
 
     @property
     def state(self) -> str:

@@ -128,6 +128,9 @@ class Session(WhatIf):
         self.skips = SkipWatch(cfg.train.epochs * cfg.train.mini_batches, cfg.train.max_skipped_steps)
         self.metrics = MetricsLog(self.run_dir, cfg.run.tensorboard, trackers, cfg.run.tracker_samples)
         self.background = None              # the BackgroundRun, when one was started
+        self.run_target: int | None = None  # the step the current (or last) run() goes to
+        self.run_outcome: str | None = None  # how the last foreground run() ended: finished, stopped, failed
+        self.run_end_step: int | None = None  # ... and at which step
         self._rollout_stale = False         # a weight push failed after an update: push before generating
         self.last_saved_step: int | None = None  # the step of this session's newest checkpoint
         self._snapshots: set[str] = set()   # keys the workers hold (snapshots.py)
@@ -510,12 +513,18 @@ class Session(WhatIf):
         steps = self.cfg.run.steps if steps is None else steps
         if background:
             return BackgroundRun.start(self, steps, async_rollout=async_rollout, on_failure=on_failure)
-        self.state = "running"
+        self.state, self.run_outcome = "running", "failed"
         try:
             summary = run_loop(self, steps, async_rollout=async_rollout, on_failure=on_failure, progress=progress)
+            self.run_outcome = "finished"
+        except KeyboardInterrupt:
+            self.run_outcome = "stopped"
+            raise
         finally:
             if self.state == "running":
                 self.state = "ready"
+            self.run_end_step = self.step_count
+            self.metrics.notify(None)  # views redraw with the end state
         return summary
 
     def pause(self) -> None:
@@ -561,7 +570,7 @@ class Session(WhatIf):
 
     # ---- checkpoints (checkpoint.py) --------------------------------------------------------------
     def save(self, name: str | None = None) -> Path:
-        """A checkpoint in RUN_DIR/checkpoints/<name> (default step_<N>) that resumes exactly."""
+        """A checkpoint in `RUN_DIR/checkpoints/<name>` (default `step_<N>`) that resumes exactly."""
         with self._phase("save"):
             return checkpoint.save(self, f"step_{self.step_count}" if name is None else name)
 
@@ -615,6 +624,8 @@ class Session(WhatIf):
         if hasattr(self, "lease"):
             self.lease.release()
         self.state = "closed"
+        if hasattr(self, "metrics"):
+            self.metrics.notify(None)  # views say so
 
     def __enter__(self) -> Session:
         return self

@@ -1,4 +1,5 @@
-"""`sess.dashboard()`: live training curves, throughput, memory and a phase timeline.
+"""`sess.dashboard()`: the live view of a run — a header row, then outcome, policy and system sections
+(widgets/figures.py draws them), and a phase timeline; `dash.save("report.html")` keeps it as a file.
 
 Redraws are throttled (at most one per `min_interval_s`) and each curve keeps at most `max_points`
 points (long runs are decimated), so a 10,000-step run stays smooth. The figures are updated in one
@@ -9,77 +10,72 @@ from __future__ import annotations
 import html
 import threading
 import time
+from pathlib import Path
 
-PANELS = [  # (title, [(metric key, trace name)])
-    ("reward", [("reward/mean", "mean")]),
-    ("held-out accuracy", [("eval/accuracy", "greedy")]),
-    ("response length", [("response_len/mean", "mean")]),
-    ("KL", [("kl/ref", "to reference"), ("actor/approx_kl", "old→new")]),
-    ("train–inference mismatch |Δ log p|", [("mismatch/logp_abs_mean", "mean"), ("mismatch/logp_abs_max", "max")]),
-    ("entropy", [("entropy", "entropy")]),
-    ("loss", [("loss/policy", "policy"), ("loss/value", "value")]),
-    ("clip fraction", [("actor/clip_frac", "clip")]),
-    ("grad norm", [("actor/grad_norm", "policy"), ("critic/grad_norm", "critic")]),
-    ("throughput tok/s", [("throughput/rollout_tok_s", "rollout"), ("throughput/prepare_tok_s", "prepare"),
-                          ("throughput/update_tok_s", "update")]),
-]
-COLS = 4
+from .figures import (
+    SECTIONS,
+    TITLE,
+    decimate,
+    header_facts,
+    header_html,
+    section_figure,
+    section_traces,
+    timeline_figure,
+)
+
+__all__ = ["Dashboard", "decimate"]
 
 
-def decimate(xs: list, max_points: int) -> list:
-    """Every k-th item (and always the last) so at most about `max_points` remain."""
-    if len(xs) <= max_points:
-        return xs
-    k = -(-len(xs) // max_points)
-    out = xs[::k]
-    return out if out[-1] is xs[-1] else out + [xs[-1]]
+# plotly.js sizes a figure when JupyterLab first shows it, often before the output area has its width, and
+# keeps plotly's default 700 px as a fixed width. The header, re-rendered at every redraw, clears that width
+# and fires a resize a moment later; the figures are "responsive" (they re-fit on a resize), so the
+# sections fill the cell's width and follow it.
+_FIT_WIDTH = ("<img src='data:image/none,' alt='' style='display:none' onerror=\"setTimeout(() => {"
+              "document.querySelectorAll('.rl-dashboard .js-plotly-plot').forEach(g => {"
+              "if (g.layout && g.layout.width) delete g.layout.width; });"
+              "window.dispatchEvent(new Event('resize')); }, 1000)\">")
 
 
 class Dashboard:
-    def __init__(self, session, max_points: int = 500, min_interval_s: float = 0.3, timeline_steps: int = 4):
+    def __init__(self, session, max_points: int = 500, min_interval_s: float = 0.3, timeline_steps: int = 4,
+                 smoothing: float = 0.0):
         import ipywidgets as W
         import plotly.graph_objects as go
-        from plotly.subplots import make_subplots
 
         self.session, self.max_points, self.min_interval_s = session, max_points, min_interval_s
-        self.timeline_steps = timeline_steps
+        self.timeline_steps, self.smoothing = timeline_steps, smoothing
         self.redraws = 0
         self._last = 0.0
         self._lock = threading.Lock()
-        titles = [p[0] for p in PANELS] + ["memory GB (peak RSS)"]
-        rows = -(-len(titles) // COLS)
-        fig = make_subplots(rows=rows, cols=COLS, subplot_titles=titles, horizontal_spacing=0.08, vertical_spacing=0.14)
-        self._slots: list[tuple[str, int]] = []  # (metric key, trace index)
-        for i, (_, series) in enumerate(PANELS):
-            r, c = divmod(i, COLS)
-            if series[0][0] == "reward/mean":  # min-max band under the mean
-                for key, name in (("reward/max", "max"), ("reward/min", "min")):
-                    fig.add_trace(go.Scatter(x=[], y=[], name=name, mode="lines", line={"width": 0},
-                                             fill="tonexty" if key == "reward/min" else None,
-                                             fillcolor="rgba(99,110,250,0.2)", showlegend=False), row=r + 1, col=c + 1)
-                    self._slots.append((key, len(fig.data) - 1))
-            for key, name in series:
-                fig.add_trace(go.Scatter(x=[], y=[], name=name, mode="lines+markers" if key.startswith("eval/")
-                                         else "lines", showlegend=False), row=r + 1, col=c + 1)
-                self._slots.append((key, len(fig.data) - 1))
-        self._memory_cell = divmod(len(PANELS), COLS)
-        fig.update_layout(height=240 * rows, margin={"l": 40, "r": 10, "t": 40, "b": 20}, template="plotly_white",
-                          legend={"title": "memory", "x": 1.0, "y": 0.0, "yanchor": "bottom"})
-        fig.update_annotations(font_size=12)
-        self.figure = go.FigureWidget(fig)
-        self.timeline = go.FigureWidget(layout={"height": 220, "barmode": "overlay", "template": "plotly_white",
-                                                "title": "phase timeline (last steps)", "xaxis": {"title": "s"},
-                                                "margin": {"l": 90, "r": 10, "t": 40, "b": 30}})
-        self.status = W.HTML()
-        buttons = []
+        self._overlays: list[tuple[str, list, list]] = []
+        self.figures = {s: go.FigureWidget(section_figure(s, [])) for s in SECTIONS}
+        self.timeline = go.FigureWidget(timeline_figure([], timeline_steps))
+        for fig in [*self.figures.values(), self.timeline]:  # plotly.js config: fit the output area on a resize
+            fig._config = {**fig._config, "responsive": True}
+        self._uids: dict[str, list[str]] = {s: [] for s in SECTIONS}
+        self.header = W.HTML()
+        self.smoother = W.FloatSlider(value=smoothing, min=0.0, max=0.99, step=0.01, description="smoothing",
+                                      continuous_update=False, readout_format=".2f", layout={"width": "260px"})
+        self.smoother.observe(lambda change: self.smooth(change["new"]), names="value")
+        self.buttons = []
         for label, fn in (("Pause", session.pause), ("Resume", session.resume), ("Stop", session.stop)):
-            b = W.Button(description=label, layout={"width": "90px"})
+            b = W.Button(description=label, layout={"width": "80px"})
             b.on_click(lambda _b, fn=fn: (fn(), self.refresh(force=True)))
-            buttons.append(b)
-        self.buttons = buttons
-        self.widget = W.VBox([W.HBox([self.status, *buttons]), self.figure, self.timeline])
+            self.buttons.append(b)
+        title = "<div style='font:600 14px sans-serif;margin:10px 0 0 4px;color:#24292f'>{}</div>"
+        parts = [W.HBox([self.header, W.HBox([self.smoother, *self.buttons])],
+                        layout={"justify_content": "space-between", "align_items": "flex-end", "width": "100%"})]
+        for s, fig in self.figures.items():
+            parts += [W.HTML(title.format(TITLE[s])), fig]
+        self.widget = W.VBox(parts + [self.timeline], layout={"width": "100%"})
+        self.widget.add_class("rl-dashboard")  # where _FIT_WIDTH looks
         self._unsubscribe = session.on_step(self._on_step)
         self.refresh(force=True)
+
+    @property
+    def figure(self):
+        """The outcome section (the first figure); `figures` holds all three."""
+        return self.figures["outcome"]
 
     # ---- drawing --------------------------------------------------------------------------------
     def _on_step(self, _row) -> None:
@@ -96,47 +92,56 @@ class Dashboard:
             self.redraws += 1
         return True
 
-    def _series(self, key: str) -> tuple[list, list]:
-        rows = self.session.evals if key.startswith("eval/") else self.session.history
-        pts = decimate([(r["step"], r[key]) for r in rows if r.get(key) is not None], self.max_points)
-        return [p[0] for p in pts], [p[1] for p in pts]
-
-    def _draw(self) -> None:
-        import plotly.graph_objects as go
-        fig = self.figure
-        with fig.batch_update():
-            for key, idx in self._slots:
-                fig.data[idx].x, fig.data[idx].y = self._series(key)
-            self._draw_memory(go)
-        self._draw_timeline(go)
-        self.status.value = self._status_html()
-
-    def overlay(self, *runs) -> Dashboard:
-        """Draw branches' curves (sess.fork / sess.branch) dashed over the main line's, in the same panels."""
-        import plotly.graph_objects as go
-        for run in runs:
-            for i, (_, series) in enumerate(PANELS):
-                x, y = run.curve(series[0][0])
-                if not x:
-                    continue
-                r, c = divmod(i, COLS)
-                self.figure.add_trace(go.Scatter(x=x, y=y, name=run.name, legendgroup=f"branch:{run.name}",
-                                                 mode="lines+markers" if len(x) < 20 else "lines",
-                                                 line={"dash": "dash"}, showlegend=False), row=r + 1, col=c + 1)
+    def smooth(self, weight: float) -> Dashboard:
+        """EMA smoothing of the noisy curves, 0 (off) to 0.99 (TensorBoard's slider; raw lines stay faint)."""
+        if not 0.0 <= weight < 1.0:
+            raise ValueError(f"smoothing must be in [0, 1): got {weight}")
+        self.smoothing = weight
+        if self.smoother.value != weight:
+            self.smoother.value = weight  # observed: comes back here with the same value
+        self.refresh(force=True)
         return self
 
-    def _draw_memory(self, go) -> None:
-        roles = sorted({k.split("/")[1].removesuffix("_peak_gb") for r in self.session.history[-1:]
-                        for k in r if k.startswith("memory/")})
-        r, c = self._memory_cell
-        existing = {t.name: t for t in self.figure.data if getattr(t, "legendgroup", None) == "memory"}
-        for role in roles:
-            x, y = self._series(f"memory/{role}_peak_gb")
-            if role in existing:
-                existing[role].x, existing[role].y = x, y
-            else:
-                self.figure.add_trace(go.Scatter(x=x, y=y, name=role, legendgroup="memory", mode="lines"),
-                                      row=r + 1, col=c + 1)
+    def _traces(self, section: str) -> list[dict]:
+        s = self.session
+        return section_traces(section, s.history, s.evals, self.smoothing, self.max_points, self._overlays)
+
+    def _draw(self) -> None:
+        for section, fig in self.figures.items():
+            traces = self._traces(section)
+            uids = [t["uid"] for t in traces]
+            if uids == self._uids[section]:  # the same lines: move their points
+                with fig.batch_update():
+                    for trace, t in zip(fig.data, traces):
+                        trace.x, trace.y = t["x"], t["y"]
+            else:  # a line appeared (a metric's first value, a branch, smoothing): lay the figure out anew
+                new = section_figure(section, traces)
+                with fig.batch_update():
+                    fig.data = []
+                    fig.add_traces(list(new.data))
+                    fig.layout = new.layout
+                self._uids[section] = uids
+                # a layout replaced in plotly.js keeps the width it had as a fixed one; set and cleared, the
+                # width is free again, and the next resize (_FIT_WIDTH) fits it to the cell
+                fig.layout.width = 10
+                fig.layout.width = None
+        bars = self.timeline_bars()
+        new = timeline_figure(bars, self.timeline_steps)
+        with self.timeline.batch_update():
+            self.timeline.data = []
+            self.timeline.add_traces(list(new.data))
+            self.timeline.layout.height = new.layout.height
+        self.header.value = self._header_html()
+
+    def overlay(self, *runs) -> Dashboard:
+        """Draw branches' curves (sess.fork / sess.branch) and replays dashed over the main line's, in the
+        same panels, with their names in the panels' legends."""
+        for run in runs:
+            history = getattr(run, "history", None)
+            self._overlays.append((run.name, history if history is not None else [run.row],
+                                   getattr(run, "evals", [])))
+        self.refresh(force=True)
+        return self
 
     def timeline_bars(self) -> list[dict]:
         """Phase calls of the last `timeline_steps` steps: lane 'role/rank', start and duration in seconds."""
@@ -152,43 +157,54 @@ class Dashboard:
         return [{"lane": f"{r.role}/{r.rank}", "method": r.method, "start": r.start - t0, "duration": r.end - r.start}
                 for r in recent]
 
-    def _draw_timeline(self, go) -> None:
-        bars = self.timeline_bars()
-        by_method: dict[str, list[dict]] = {}
-        for b in bars:
-            by_method.setdefault(b["method"], []).append(b)
-        traces = [go.Bar(y=[b["lane"] for b in bs], x=[b["duration"] for b in bs], base=[b["start"] for b in bs],
-                         orientation="h", name=m) for m, bs in sorted(by_method.items())]
-        with self.timeline.batch_update():
-            self.timeline.data = []
-            for t in traces:
-                self.timeline.add_trace(t)
-
-    def _status_html(self) -> str:
+    def facts(self) -> dict:
+        """The header's numbers (figures.header_facts) for this session. The state is the background run's
+        (running, paused, finished, stopped, failed), or how the last run() ended while nothing has moved
+        since, or the session's own (ready, running, needs_resync, closed)."""
         s = self.session
         bg = s.background
-        state = bg.state if bg is not None else s.state
-        color = {"running": "#1a7f37", "paused": "#9a6700", "failed": "#cf222e"}.get(state, "#57606a")
+        if bg is not None and not bg.done:
+            state = bg.state
+        elif s.state == "ready" and s.run_outcome and s.step_count == s.run_end_step:
+            state = s.run_outcome
+        else:
+            state = s.state
+        return header_facts(s.history, s.evals, state, s.run_target,
+                            bg.started if bg is not None else None)
+
+    def _header_html(self) -> str:
+        s = self.session
         last = s.history[-1] if s.history else {}
-        parts = [f"<b style='color:{color}'>{state}</b>", f"step {s.step_count}"]
-        if "reward/mean" in last:
-            parts.append(f"reward {last['reward/mean']:.3f}")
-        if "time/step_s" in last:
-            parts.append(f"{last['time/step_s']:.2f} s/step")
-        if s.evals:
-            parts.append(f"held-out acc {s.evals[-1]['eval/accuracy']:.3f}")
+        notes = []
         if last.get("mismatch/alarm"):
-            parts.append("<span style='color:#9a6700'>engine and trainer log-probs differ: mean |Δ log p| "
+            notes.append("<span style='color:#9a6700'>engine and trainer log-probs differ: mean |Δ log p| "
                          f"{last['mismatch/logp_abs_mean']:.4f} (algo.mismatch_alarm)</span>")
-        err = bg.error if bg is not None else None
+        err = s.background.error if s.background is not None else None
         if err is not None:
-            parts.append("<span style='color:#cf222e'>"
+            notes.append("<span style='color:#cf222e'>"
                          f"{html.escape(type(err).__name__ + ': ' + str(err))[:300]}</span>")
-        return " · ".join(parts)
+        return header_html(self.facts(), " · ".join(notes)) + _FIT_WIDTH
+
+    @property
+    def status(self):
+        """The header widget (its `.value` is the HTML shown)."""
+        return self.header
 
     def points(self) -> int:
         """Points currently drawn in all curves (what tests and the browser check)."""
-        return sum(len(t.x or ()) for t in self.figure.data)
+        return sum(len(t.x or ()) for fig in self.figures.values() for t in fig.data)
+
+    # ---- sharing --------------------------------------------------------------------------------
+    def save(self, path: str | Path = "report.html") -> Path:
+        """A standalone HTML file of this run — the header, every section, the phase timeline, the config,
+        the summary (once a run wrote one) and rollout samples from the run directory — that opens in any
+        browser without a kernel or a network (plotly.js is inside)."""
+        from ..report import write_report
+        s = self.session
+        summary = s.background.summary if s.background is not None and s.background.summary else None
+        return write_report(path, s.run_dir, history=s.history, evals=s.evals, facts=self.facts(),
+                            summary=summary, config_yaml=s.cfg.to_yaml(), smoothing=self.smoothing,
+                            timeline=timeline_figure(self.timeline_bars(), self.timeline_steps))
 
     def close(self) -> None:
         self._unsubscribe()

@@ -19,7 +19,8 @@ def test_background_run_in_a_kernel(tmp_path):
         "sess.pause()\nawait asyncio.sleep(1.0)\ns1 = sess.step_count\nawait asyncio.sleep(1.5)\n"
         "print('paused', run.state, s1, sess.step_count)",
         "sess.resume()\nawait asyncio.sleep(1.0)\nsess.stop()\nsummary = await run\n"
-        "print('stopped', run.state, summary['steps'], sess.step_count, len(sess.history))",
+        "print('stopped', run.state, summary['steps'], sess.step_count, len(sess.history), "
+        "'>stopped</b>' in dash.header.value)",
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
@@ -34,3 +35,5 @@ def test_background_run_in_a_kernel(tmp_path):
     stopped = next(line for line in text.splitlines() if line.startswith("stopped")).split()
     assert stopped[1] == "stopped" and int(stopped[2]) < 200
     assert int(stopped[2]) == int(stopped[3]) == int(stopped[4])  # every finished step is in the history
+    assert stopped[5] == "True", "the dashboard's header does not say the run stopped"  # its last redraw came
+    # from inside the ending task: it said "running" for good before BackgroundRun knew it had ended

@@ -1,5 +1,8 @@
-"""The quickstart in a real JupyterLab, in headless Chromium: the dashboard's plotly figure renders with
-data points and the inspector table has rows. Saves screenshots to artifacts/screenshots/."""
+"""The quickstart in a real JupyterLab, in headless Chromium, as a user sees it: the dashboard's header says
+the true state and step, its sections render with data points, named legend entries and "step" axes across
+the cell's width; the inspector table has rows; the report the notebook saved opens from the file alone
+(no kernel, no server). Screenshots of the dashboard, the inspector and the report go to
+artifacts/screenshots/."""
 import json
 import os
 import secrets
@@ -60,9 +63,10 @@ def lab(tmp_path):
         server.wait(timeout=30)
 
 
-def _run_all_cells(lab, name: str, params: str, measures: dict[str, str], shot: str) -> dict:
+def _run_all_cells(lab, name: str, params: str, measures: dict[str, str], shot: str, report=None) -> dict:
     """Open notebooks/<name> in JupyterLab with `params` after its parameters cell, run every cell, and
-    evaluate each of `measures` (JavaScript expressions) on the page; a full-page screenshot to `shot`."""
+    evaluate each of `measures` (JavaScript expressions) on the page; a full-page screenshot to `shot`.
+    `report`: an HTML file the notebook wrote, then opened from disk in a new page and measured."""
     from playwright.sync_api import sync_playwright
     base, token, root = lab
     nb = nbformat.read(str(REPO / "notebooks" / name), as_version=4)
@@ -75,7 +79,7 @@ def _run_all_cells(lab, name: str, params: str, measures: dict[str, str], shot: 
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
             "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
             "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page(viewport={"width": 1400, "height": 2400})  # tall: the whole dashboard in view
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(f"{base}/lab/tree/{name}?token={token}&reset")
         page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
@@ -89,13 +93,31 @@ def _run_all_cells(lab, name: str, params: str, measures: dict[str, str], shot: 
         out["errors"] = [e for e in errors if "plotly" in e.lower() or "widget" in e.lower()]
         page.screenshot(path=str(SHOTS / shot), full_page=True)
         if name == "01_quickstart.ipynb":
-            page.locator(".jupyter-widgets .js-plotly-plot").first.screenshot(path=str(SHOTS / "dashboard.png"))
+            for what, selector in (("dashboard", ".rl-header"), ("inspector", "table.rl-inspector")):
+                output = page.locator(".jp-OutputArea-output", has=page.locator(selector)).first
+                output.scroll_into_view_if_needed()
+                output.screenshot(path=str(SHOTS / f"{what}.png"))
+        if report is not None:
+            view = browser.new_page(viewport={"width": 1400, "height": 1000})
+            view.on("pageerror", lambda e: errors.append(str(e)))
+            view.goto(report.as_uri())  # file://: nothing serves it
+            view.wait_for_selector(".js-plotly-plot .main-svg", timeout=60_000)
+            out["report"] = {"points": view.evaluate(POINTS), "header": view.evaluate(HEADER),
+                             "samples": view.evaluate("() => document.querySelectorAll('table.samples tr').length")}
+            view.screenshot(path=str(SHOTS / "report.png"), full_page=True)
+            out["errors"] = [e for e in errors if "plotly" in e.lower() or "widget" in e.lower()]
         browser.close()
     return out
 
 
 POINTS = """() => [...document.querySelectorAll('.js-plotly-plot')]
             .map(d => (d.data || []).reduce((n, t) => n + ((t.x || []).length), 0))"""
+HEADER = "() => (document.querySelector('.rl-header') || {}).innerText || ''"
+XTITLES = ".jupyter-widgets .js-plotly-plot text[class^='x'][class$='title']"  # xtitle, x2title, ...
+TEXTS = "sel => [...document.querySelectorAll(sel)].map(e => e.textContent)"
+# every legend's entries: plotly draws each panel's legend as <g class="legend">, <g class="legend2">, ...
+LEGENDS = """sel => [...document.querySelectorAll(sel + ' g')].filter(g => /^legend\\d*$/.test(g.getAttribute('class')))
+             .flatMap(g => [...g.querySelectorAll('text')].map(t => t.textContent))"""
 
 
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (apt-get install chromium)")
@@ -103,13 +125,29 @@ def test_quickstart_in_jupyterlab_renders_dashboard_and_inspector(lab, tmp_path)
     got = _run_all_cells(lab, "01_quickstart.ipynb",
                          f"config = {str(REPO / 'configs/arith_grpo.yaml')!r}\nsteps = 4\n"
                          f"run_dir = {str(tmp_path / 'run')!r}\noverrides = {[*SMALL, 'run.tensorboard=false']!r}",
-                         {"points": POINTS,
+                         {"points": POINTS, "header": HEADER,
+                          "legend": f"() => ({LEGENDS})('.jupyter-widgets .js-plotly-plot')",
+                          "xtitles": f"() => ({TEXTS})({XTITLES!r})",
+                          # after the dashboard's re-fit (a second after its last redraw)
+                          "widths": """async () => { await new Promise(r => setTimeout(r, 2500));
+                              return [...document.querySelectorAll('.jupyter-widgets .js-plotly-plot')].map(
+                              d => d.querySelector('.main-svg').getBoundingClientRect().width
+                                   / d.closest('.jp-OutputArea-output').clientWidth) }""",
                           "rows": "() => document.querySelectorAll('table.rl-inspector tr').length",
                           "traces": "() => document.querySelectorAll('.js-plotly-plot .scatterlayer .trace').length"},
-                         "quickstart_full.png")
+                         "quickstart_full.png", report=tmp_path / "run" / "report.html")
     assert got["points"] and max(got["points"]) > 0, f"no data points in the plotly figures: {got['points']}"
     assert got["traces"] > 0
+    # the header: the session was closed by the last cell, at step 4 of the run's 4
+    assert "closed" in got["header"] and "4 / 4" in got["header"] and "reward" in got["header"], got["header"]
+    legend = set(got["legend"])  # named lines: phases' throughput and seconds, memory per role, timeline phases
+    assert {"rollout", "score", "prepare", "update", "policy", "reward", "generate", "max", "mean"} <= legend, legend
+    assert got["xtitles"].count("step") >= 12, got["xtitles"]  # every panel of the three sections
+    assert min(got["widths"]) > 0.9, f"figures do not fill the cell's width: {got['widths']}"
     assert got["rows"] > 1, "the inspector table has no rows"
+    report = got["report"]  # opened from the file alone
+    assert len(report["points"]) == 4 and min(report["points"]) > 0, report  # three sections + the timeline
+    assert "4 / 4" in report["header"] and report["samples"] > 1, report
     assert not got["errors"], got["errors"]
 
 

@@ -4,7 +4,9 @@ import json
 import pytest
 
 import rlbench_nb as rl
-from rlbench_nb.widgets.dashboard import decimate
+from rlbench_nb.cli import main as cli
+from rlbench_nb.report import report_from_run_dir
+from rlbench_nb.widgets.figures import SECTIONS, decimate, ema, header_facts
 
 
 def test_decimate_bounds_points_and_keeps_the_last():
@@ -14,7 +16,25 @@ def test_decimate_bounds_points_and_keeps_the_last():
     assert decimate(xs[:50], 100) == xs[:50]
 
 
-def test_dashboard_draws_every_panel_and_the_timeline(small_cfg):
+def test_ema_is_tensorboards_debiased_smoothing():
+    # by hand, weight 0.5: 0.5*1 / (1 - 0.5) = 1; (0.5*0.5 + 0.5*3) / (1 - 0.25) = 1.75 / 0.75 = 7/3;
+    # pure Python floats: the same on every CPU, so only the last bit of the division is left to tolerance
+    assert ema([1.0, 3.0], 0.5) == pytest.approx([1.0, 7 / 3], rel=1e-15)
+    gap = ema([1.0, None, 3.0], 0.5)  # a missing value passes through and does not count
+    assert gap[1] is None and gap[::2] == pytest.approx([1.0, 7 / 3], rel=1e-15)
+    assert ema([2.0, 5.0], 0.0) == [2.0, 5.0]
+
+
+def test_header_facts_give_total_rate_and_eta():
+    history = [{"step": s, "time/step_s": 0.5, "reward/mean": s / 10} for s in range(1, 5)]
+    f = header_facts(history, [{"step": 0, "eval/accuracy": 0.25}], "running", target=10)
+    assert (f["step"], f["target"], f["steps_per_s"], f["eta_s"]) == (4, 10, 2.0, 3.0)  # 6 steps x 0.5 s
+    assert (f["reward"], f["accuracy"]) == (0.4, 0.25)
+    done = header_facts(history, [], "finished", target=4)
+    assert done["eta_s"] is None and done["target"] == 4
+
+
+def test_dashboard_draws_sections_with_legends_and_step_axes(small_cfg):
     sess = rl.Session(small_cfg("run.tensorboard=false", "algo.kl_coef=0.05"))
     dash = sess.dashboard(max_points=2)
     assert dash.points() == 0
@@ -22,15 +42,50 @@ def test_dashboard_draws_every_panel_and_the_timeline(small_cfg):
     for _ in range(3):
         sess.step()
     dash.refresh(force=True)
-    traces = {t.name: t for t in dash.figure.data}
+    outcome, policy, system = (dash.figures[s] for s in SECTIONS)
+    traces = {t.name: t for t in outcome.data}
     assert list(traces["mean"].x) == [2, 3] or list(traces["mean"].x) == [1, 3]  # decimated to ~max_points
-    assert len(traces["greedy"].y) == 1 and len(traces["to reference"].y) >= 1
-    assert {"policy", "rollout", "reward", "reference"} <= {t.name for t in dash.figure.data
-                                                            if t.legendgroup == "memory"}
+    assert len(traces["accuracy"].y) == 1
+    kl = [t for t in policy.data if t.name in ("to reference", "old → new")]
+    assert len(kl) == 2 and kl[0].legend == kl[1].legend and kl[0].showlegend  # named, in the KL panel's legend
+    for fig in dash.figures.values():  # each legend placed (beside its panel), none left at plotly's default
+        for name in {t.legend for t in fig.data if t.showlegend}:
+            assert fig.layout[name].xanchor == "left" and fig.layout[name].yanchor == "top"
+    memory = [t for t in system.data if t.xaxis == "x3"]  # the third panel: one line per role
+    assert {"policy", "rollout", "reward", "reference"} <= {t.name for t in memory}
+    assert {t.name for t in system.data if t.xaxis == "x"} == {"rollout", "prepare", "update"}
+    for fig in dash.figures.values():
+        assert all(ax.title.text == "step" for ax in fig.select_xaxes())
     lanes = {b["lane"] for b in dash.timeline_bars()}
     assert {"policy/0", "rollout/0", "reward/0", "reference/0"} <= lanes
     assert all(b["duration"] >= 0 and b["start"] >= 0 for b in dash.timeline_bars())
-    assert "step 3" in dash.status.value and "reward" in dash.status.value
+    assert {t.name for t in dash.timeline.data} >= {"generate", "update"}  # phases named in the legend
+    assert dash.facts()["step"] == 3 and ">ready</b>" in dash.header.value and "reward" in dash.header.value
+    dash.smooth(0.9)  # a faint raw line under each smoothed noisy curve
+    raw = {t.name: t for t in outcome.data if t.opacity == 0.25}
+    smoothed = {t.name: t for t in outcome.data if t.opacity is None and t.name in raw}
+    assert list(smoothed["mean"].y) == pytest.approx(ema(list(raw["mean"].y), 0.9), rel=1e-12)
+    with pytest.raises(ValueError, match="smoothing"):
+        dash.smooth(1.0)
+
+
+def test_report_from_a_live_session_and_from_the_run_directory(small_cfg, tmp_path):
+    sess = rl.Session(small_cfg("run.tensorboard=false"))
+    summary = sess.run(steps=3, progress=False)
+    dash = sess.dashboard()
+    page = dash.save(tmp_path / "live.html").read_text()
+    sess.close()
+    assert page.count('class="plotly-graph-div"') == 4  # three sections and the phase timeline
+    assert "Plotly.newPlot" in page and "<script src" not in page  # plotly.js inside: no network needed
+    assert "held-out accuracy" in page and f"{summary['accuracy_after']:.3f}" in page
+    first = json.loads((sess.run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()[0])
+    assert first["prompt"] in page and "kl_coef" in page  # a rollout sample and the config
+    assert cli(["report", str(sess.run_dir)]) == 0  # from the files alone, by default into the run directory
+    offline = (sess.run_dir / "report.html").read_text()
+    assert ">finished</b>" in offline and first["prompt"] in offline and offline.count('class="plotly-graph-div"') == 3
+    assert cli(["report", str(tmp_path / "nowhere")]) == 2
+    with pytest.raises(rl.UsageError, match="not a run directory"):
+        report_from_run_dir(tmp_path)
 
 
 def test_dashboard_redraws_are_throttled(small_cfg):

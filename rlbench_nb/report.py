@@ -1,0 +1,120 @@
+"""A run as one HTML file to share: `dash.save("report.html")` from a live session, or
+`rlbench-nb report RUN_DIR` from a run directory's files alone (a finished batch run, a colleague's folder).
+
+The file holds the header row, the dashboard's three sections (widgets/figures.py, the same pictures), the
+summary, rollout samples from rollouts/step_N.jsonl (a few per saved step, spread over the run) and the
+config. plotly.js is written inside, so it opens in a browser with no kernel, server or network.
+"""
+from __future__ import annotations
+
+import html
+import json
+import time
+from pathlib import Path
+
+from .errors import UsageError
+from .metrics.sinks import read_jsonl
+from .metrics.trackers import SAMPLE_COLUMNS, sample_rows
+from .widgets.figures import SECTIONS, TITLE, decimate, header_facts, header_html, section_figure, section_traces
+
+SAMPLE_STEPS = 8     # saved rollout files shown, spread over the run
+SAMPLES_PER_STEP = 4  # samples of each, spread over its groups
+
+
+def load_run(run_dir: str | Path) -> dict:
+    """What a report needs from a run directory: training rows, evaluation rows, config and summary."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").exists():
+        raise UsageError(f"{run_dir} is not a run directory (no metrics.jsonl): give the folder a run wrote, "
+                         "e.g. runs/arith-grpo")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    summary_path = run_dir / "summary.json"
+    config_path = run_dir / "config.yaml"
+    return {"history": [r for r in rows if "reward/mean" in r],
+            "evals": [r for r in rows if "eval/accuracy" in r],
+            "summary": json.loads(summary_path.read_text()) if summary_path.exists() else None,
+            "config_yaml": config_path.read_text() if config_path.exists() else ""}
+
+
+def samples(run_dir: str | Path, steps: int = SAMPLE_STEPS, per_step: int = SAMPLES_PER_STEP) -> list[list]:
+    """Rows (SAMPLE_COLUMNS) of `per_step` samples from each of `steps` saved rollout files, spread evenly
+    over the run (always the last one)."""
+    files = decimate(sorted(Path(run_dir, "rollouts").glob("step_*.jsonl")), steps)
+    out = []
+    for f in files:
+        rows = read_jsonl(f)
+        out += sample_rows(int(f.stem.removeprefix("step_")), rows, per_step)
+    return out
+
+
+def report_from_run_dir(run_dir: str | Path, out: str | Path | None = None, smoothing: float = 0.0) -> Path:
+    """`rlbench-nb report RUN_DIR`: the report of a run directory, by default RUN_DIR/report.html."""
+    run = load_run(run_dir)
+    h, summary = run["history"], run["summary"]
+    finished = summary is not None and h and summary.get("steps", -1) >= h[-1]["step"]
+    facts = header_facts(h, run["evals"], "finished" if finished else "unfinished",
+                         summary["steps"] if finished else None)
+    return write_report(out or Path(run_dir) / "report.html", run_dir, history=h, evals=run["evals"], facts=facts,
+                        summary=summary, config_yaml=run["config_yaml"], smoothing=smoothing)
+
+
+def write_report(path: str | Path, run_dir: str | Path, *, history: list[dict], evals: list[dict], facts: dict,
+                 summary: dict | None, config_yaml: str, smoothing: float = 0.0, timeline=None) -> Path:
+    import plotly.io as pio
+    from plotly.offline import get_plotlyjs
+    path, run_dir = Path(path), Path(run_dir)
+    plot = {"full_html": False, "include_plotlyjs": False, "config": {"responsive": True, "displaylogo": False}}
+    body = [f"<h1>{html.escape(run_dir.name)}</h1>",
+            f"<p class='meta'>{html.escape(str(run_dir.resolve()))} · report written "
+            f"{time.strftime('%Y-%m-%d %H:%M')}</p>", header_html(facts)]
+    if summary:
+        body.append(_summary_html(summary))
+    for s in SECTIONS:
+        traces = section_traces(s, history, evals, smoothing)
+        body += [f"<h2>{TITLE[s]}</h2>", pio.to_html(section_figure(s, traces), **plot)]
+    if timeline is not None and timeline.data:
+        body += ["<h2>Phase timeline</h2>", pio.to_html(timeline, **plot)]
+    body.append(_samples_html(samples(run_dir)))
+    body.append(f"<h2>Config</h2><details><summary>config.yaml</summary><pre>{html.escape(config_yaml)}</pre></details>")
+    page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>rlbench-nb · {html.escape(run_dir.name)}</title>"
+            f"<style>{_CSS}</style><script type='text/javascript'>{get_plotlyjs()}</script></head>"
+            f"<body>{''.join(body)}</body></html>")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(path)  # a reader never sees half a report
+    return path
+
+
+def _summary_html(s: dict) -> str:
+    def num(v, fmt=".3f"):
+        return "—" if v is None else format(v, fmt)
+    rows = [("held-out accuracy", f"{num(s.get('accuracy_before'))} → {num(s.get('accuracy_after'))} "
+                                  f"({num(s.get('accuracy_gain'), '+.3f')}, {s.get('eval_prompts', '?')} prompts)"),
+            ("train reward", f"{num(s.get('reward_first'))} (first steps) → {num(s.get('reward_last'))} (last steps)"),
+            ("steps", f"{s.get('steps')} ({s.get('steps_this_run')} in the last run)"),
+            ("wall time", f"{s.get('wall_s')} s")]
+    cells = "".join(f"<tr><th>{k}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
+    return f"<h2>Summary</h2><table class='summary'>{cells}</table>"
+
+
+def _samples_html(rows: list[list]) -> str:
+    if not rows:
+        return "<h2>Rollout samples</h2><p class='meta'>none saved (run.save_rollouts_every=0)</p>"
+
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.3g}"
+        return html.escape("" if v is None else str(v))
+    head = "".join(f"<th>{c}</th>" for c in SAMPLE_COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in r) + "</tr>" for r in rows)
+    return (f"<h2>Rollout samples</h2><p class='meta'>{SAMPLES_PER_STEP} per saved step, spread over its groups, "
+            f"from rollouts/</p><table class='samples'><tr>{head}</tr>{body}</table>")
+
+
+_CSS = """body{font-family:-apple-system,BlinkMacSystemFont,'Segoe UI',sans-serif;margin:24px 32px;color:#24292f}
+h1{font-size:22px;margin:0}h2{font-size:16px;margin:28px 0 4px;border-bottom:1px solid #d0d7de}
+.meta{color:#57606a;font-size:12px}table{border-collapse:collapse;font-size:13px}
+th,td{border-bottom:1px solid #eaeef2;padding:4px 10px;text-align:left;vertical-align:top}
+table.samples td{white-space:pre-wrap;font-family:ui-monospace,monospace;max-width:520px}
+pre{background:#f6f8fa;padding:10px;font-size:12px}"""

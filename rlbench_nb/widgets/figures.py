@@ -1,0 +1,214 @@
+"""The dashboard's pictures as pure functions of metric rows: the live widget (dashboard.py) and the shared
+report (report.py) draw the same figures from the same rows, in memory or read back from metrics.jsonl.
+
+Three sections a researcher scans top-down — outcome, policy, system — each one plotly figure of panels.
+Every panel with more than one line has its own legend in its corner; every x axis is the step; noisy
+curves can be smoothed with an EMA (debiased, as TensorBoard's slider), the raw line kept faint beneath.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+# section -> panels: (title, [(metric key, line name)]). "memory/*" expands to one line per role.
+SECTIONS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
+    "outcome": [
+        ("reward", [("reward/mean", "mean")]),  # drawn over its min–max band
+        ("held-out accuracy (greedy)", [("eval/accuracy", "accuracy")]),
+        ("response length (tokens)", [("response_len/mean", "mean"), ("response_len/max", "max")]),
+    ],
+    "policy": [
+        ("loss", [("loss/policy", "policy"), ("loss/value", "value"), ("loss/kl", "KL term")]),
+        ("KL", [("kl/ref", "to reference"), ("actor/approx_kl", "old → new")]),
+        ("entropy", [("entropy", "entropy")]),
+        ("clip fraction", [("actor/clip_frac", "clipped"), ("actor/clip_frac_lower", "dual-clipped")]),
+        ("grad norm", [("actor/grad_norm", "policy"), ("critic/grad_norm", "critic")]),
+        ("train–inference mismatch |Δ log p|", [("mismatch/logp_abs_mean", "mean"),
+                                                ("mismatch/logp_abs_max", "max")]),
+    ],
+    "system": [
+        ("throughput (tok/s)", [("throughput/rollout_tok_s", "rollout"), ("throughput/prepare_tok_s", "prepare"),
+                                ("throughput/update_tok_s", "update")]),
+        ("seconds per phase", [("time/rollout_s", "rollout"), ("time/score_s", "score"),
+                               ("time/prepare_s", "prepare"), ("time/update_s", "update")]),
+        ("memory, peak RSS (GB)", [("memory/*", "")]),
+    ],
+}
+COLS = 3
+SMOOTHED = ("reward/", "loss/", "kl/", "actor/", "critic/", "entropy", "mismatch/", "response_len/")  # EMA applies
+COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")
+TITLE = {"outcome": "Outcome", "policy": "Policy", "system": "System"}
+
+
+def decimate(xs: list, max_points: int) -> list:
+    """Every k-th item (and always the last) so at most about `max_points` remain."""
+    if len(xs) <= max_points:
+        return xs
+    k = -(-len(xs) // max_points)
+    out = xs[::k]
+    return out if out[-1] is xs[-1] else out + [xs[-1]]
+
+
+def ema(ys: list[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing: an exponential moving average debiased at the start (so the first point
+    is the first value, not pulled toward 0). weight 0 returns `ys`; NaN/None points pass through."""
+    if not weight:
+        return list(ys)
+    out, last, n = [], 0.0, 0
+    for y in ys:
+        if y is None or not math.isfinite(y):
+            out.append(y)
+            continue
+        n += 1
+        last = last * weight + (1 - weight) * y
+        out.append(last / (1 - weight ** n))
+    return out
+
+
+def series(rows: list[dict], key: str, max_points: int) -> tuple[list, list]:
+    pts = decimate([(r["step"], r[key]) for r in rows if r.get(key) is not None], max_points)
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _lines(panel: list[tuple[str, str]], history: list[dict]) -> list[tuple[str, str]]:
+    if panel[0][0] != "memory/*":
+        return panel
+    roles = sorted({k[len("memory/"):-len("_peak_gb")] for r in history[-1:] for k in r
+                    if k.startswith("memory/") and k.endswith("_peak_gb")})
+    return [(f"memory/{role}_peak_gb", role) for role in roles]
+
+
+def section_traces(section: str, history: list[dict], evals: list[dict], smoothing: float = 0.0,
+                   max_points: int = 500, overlays=()) -> list[dict]:
+    """The traces of one section as plain dicts, each with "panel" (its index) and a stable "uid".
+    `overlays`: (name, history, evals) of branches, drawn dashed in every panel they have data for."""
+    out = []
+    for p, (_, panel) in enumerate(SECTIONS[section]):
+        lines = [(k, n, series(evals if k.startswith("eval/") else history, k, max_points)) for k, n in
+                 _lines(panel, history)]
+        lines = [(k, n, xy) for k, n, xy in lines if xy[0]]
+        legend = len(lines) > 1
+        for i, (key, name, (x, y)) in enumerate(lines):
+            color = COLORS[i % len(COLORS)]
+            if key == "reward/mean":  # min–max band under the mean
+                lo, hi = series(history, "reward/min", max_points), series(history, "reward/max", max_points)
+                out.append({"uid": "reward/max", "panel": p, "x": hi[0], "y": hi[1], "name": "max",
+                            "mode": "lines", "line": {"width": 0}, "showlegend": False, "hoverinfo": "skip"})
+                out.append({"uid": "reward/min", "panel": p, "x": lo[0], "y": lo[1], "name": "min–max",
+                            "mode": "lines", "line": {"width": 0}, "fill": "tonexty", "showlegend": False,
+                            "fillcolor": "rgba(76,114,176,0.15)", "hoverinfo": "skip"})
+            smooth = smoothing if key.startswith(SMOOTHED) else 0.0
+            if smooth:  # the raw curve stays visible, faint, under the smoothed one
+                out.append({"uid": f"{key}:raw", "panel": p, "x": x, "y": y, "name": name, "mode": "lines",
+                            "line": {"color": color, "width": 1}, "opacity": 0.25, "showlegend": False,
+                            "hoverinfo": "skip"})
+            out.append({"uid": key, "panel": p, "x": x, "y": ema(y, smooth), "name": name,
+                        "mode": "lines+markers" if key.startswith("eval/") or len(x) < 3 else "lines",
+                        "line": {"color": color, "width": 2}, "showlegend": legend,
+                        "hovertemplate": f"{name}: %{{y:.4g}}<extra></extra>"})
+        for name, b_history, b_evals in overlays:
+            for key, _, _ in lines[:1]:
+                x, y = series(b_evals if key.startswith("eval/") else b_history, key, max_points)
+                if x:
+                    out.append({"uid": f"branch:{name}:{key}", "panel": p, "x": x, "y": y, "name": name,
+                                "mode": "lines+markers" if len(x) < 20 else "lines", "line": {"dash": "dash"},
+                                "showlegend": True, "legendgroup": f"branch:{name}"})
+    return out
+
+
+def section_figure(section: str, traces: list[dict]):
+    """A plotly Figure of the section's panels holding `traces` (section_traces): one legend per
+    multi-line panel, in its top-right corner; "step" on every x axis; hover shows every line at a step."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+    panels = SECTIONS[section]
+    rows = -(-len(panels) // COLS)
+    fig = make_subplots(rows=rows, cols=COLS, subplot_titles=[t for t, _ in panels], horizontal_spacing=0.14,
+                        vertical_spacing=0.22 if rows > 1 else 0.1)
+    legends: dict[int, str] = {}
+    for t in traces:
+        t = dict(t)
+        p = t.pop("panel")
+        r, c = divmod(p, COLS)
+        if t.get("showlegend"):
+            t["legend"] = legends.setdefault(p, "legend" if not legends else f"legend{len(legends) + 1}")
+        fig.add_trace(go.Scatter(**t), row=r + 1, col=c + 1)
+    for p, name in legends.items():  # beside its panel, top-aligned: never over the curves
+        sub = fig.get_subplot(*(i + 1 for i in divmod(p, COLS)))
+        fig.update_layout({name: {"x": sub.xaxis.domain[1] + 0.005, "y": sub.yaxis.domain[1], "xanchor": "left",
+                                  "yanchor": "top", "font": {"size": 10}, "tracegroupgap": 0,
+                                  "itemwidth": 30}})
+    last = max((x for t in traces for x in t["x"][-1:]), default=0)
+    # whole steps: a short run gets one tick per step instead of 1.5, 2.5
+    fig.update_xaxes(title_text="step", title_standoff=4, title_font_size=11, dtick=1 if last <= 8 else None)
+    # small numbers as 2e-9, not plotly's SI "2n"; counts (tokens/s, GB) keep 4M / 1.2k; 0 always in view
+    fig.update_yaxes(exponentformat="e" if section == "policy" else "SI", separatethousands=True, rangemode="tozero")
+    fig.update_annotations(font_size=13)
+    fig.update_layout(height=250 * rows + 20, template="plotly_white", hovermode="x unified",
+                      margin={"l": 50, "r": 20, "t": 30, "b": 40}, autosize=True)
+    return fig
+
+
+def header_facts(history: list[dict], evals: list[dict], state: str, target: int | None,
+                 started: float | None = None) -> dict:
+    """The header row's numbers: step / total, steps/s and ETA (from the last 10 steps' wall time), the last
+    reward and held-out accuracy, and the state as it is (running, paused, finished, stopped, failed)."""
+    step = history[-1]["step"] if history else 0
+    recent = [r["time/step_s"] for r in history[-10:] if r.get("time/step_s")]
+    per_step = sum(recent) / len(recent) if recent else None
+    live = state in ("running", "paused")
+    return {
+        "state": state, "step": step, "target": target if target and target >= step else None,
+        "steps_per_s": 1 / per_step if per_step else None,
+        "eta_s": (target - step) * per_step if live and per_step and target and target > step else None,
+        "elapsed_s": time.time() - started if started and live else None,
+        "reward": history[-1].get("reward/mean") if history else None,
+        "accuracy": evals[-1].get("eval/accuracy") if evals else None,
+        "accuracy_step": evals[-1].get("step") if evals else None,
+    }
+
+
+def duration(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+STATE_COLORS = {"running": "#1a7f37", "paused": "#9a6700", "failed": "#cf222e", "stopped": "#9a6700",
+                "finished": "#0969da"}
+
+
+def header_html(f: dict, extra: str = "") -> str:
+    """The header row as HTML cells: what a researcher glances at first."""
+    cells = [("state", f"<b style='color:{STATE_COLORS.get(f['state'], '#57606a')}'>{f['state']}</b>"),
+             ("step", f"{f['step']}" + (f" / {f['target']}" if f["target"] else ""))]
+    if f["steps_per_s"]:
+        cells.append(("steps/s", f"{f['steps_per_s']:.2f}"))
+    if f["eta_s"] is not None:
+        cells.append(("ETA", duration(f["eta_s"])))
+    if f["reward"] is not None:
+        cells.append(("reward", f"{f['reward']:.3f}"))
+    if f["accuracy"] is not None:
+        cells.append((f"held-out acc (step {f['accuracy_step']})", f"{f['accuracy']:.3f}"))
+    body = "".join(f"<div class='rl-cell'><div class='rl-label'>{k}</div><div class='rl-value'>{v}</div></div>"
+                   for k, v in cells)
+    return (f"<div class='rl-header' style='display:flex;gap:28px;align-items:flex-end;font-family:sans-serif'>"
+            f"<style>.rl-label{{font-size:11px;color:#57606a}}.rl-value{{font-size:18px}}</style>{body}</div>"
+            + (f"<div style='margin-top:4px'>{extra}</div>" if extra else ""))
+
+
+def timeline_figure(bars: list[dict], steps: int):
+    """Phase calls as horizontal bars, one lane per role/rank, coloured by method (named in the legend)."""
+    import plotly.graph_objects as go
+    by_method: dict[str, list[dict]] = {}
+    for b in bars:
+        by_method.setdefault(b["method"], []).append(b)
+    fig = go.Figure([go.Bar(y=[b["lane"] for b in bs], x=[b["duration"] for b in bs], base=[b["start"] for b in bs],
+                            orientation="h", name=m, hovertemplate=f"{m}: %{{x:.3f}} s<extra>%{{y}}</extra>")
+                     for m, bs in sorted(by_method.items())])
+    rows = max(4, len({b["lane"] for b in bars}), len(by_method))  # lanes, and the legend without a scrollbar
+    fig.update_layout(height=90 + 28 * rows, barmode="overlay",
+                      template="plotly_white",
+                      title={"text": f"phase timeline (last {steps} steps)", "font": {"size": 13}},
+                      xaxis={"title": {"text": "seconds"}}, legend={"title": {"text": "phase"}},
+                      margin={"l": 90, "r": 20, "t": 40, "b": 40}, autosize=True)
+    return fig
