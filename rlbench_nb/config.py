@@ -320,9 +320,34 @@ class TrainConfig(_Section):
     probs and update). Same numbers; used when the role is not sharded and activations are kept."""
 
 
+class RewardModelConfig(_Section):
+    path: str | None = None
+    """A local Hugging Face sequence-classification model (num_labels=1: one score per sequence), served by
+    the reward_model role and scored beside the rule function; None: rule rewards only."""
+    weight: float = 1.0
+    """The model's score in the reward: scores = reward.rule_weight * rule + reward.model.weight * model."""
+    ranks: int = Field(1, ge=1)
+    """reward_model ranks under Ray (FSDP2 shards the model across them when >1); one under local."""
+    micro_batch_size: int = Field(16, ge=1)
+    """Sequences per forward pass."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Its weights and compute."""
+    max_len: int = Field(1024, ge=8)
+    """Tokens it reads per sample, in its own tokenizer; longer texts keep their end (the response)."""
+    chat_template: bool | Literal["auto"] = "auto"
+    """true: feed (prompt, response) as a user/assistant chat through its tokenizer's own template; false: as
+    prompt + response text; 'auto': the chat when its tokenizer has a template. The policy's tokens are decoded
+    and re-encoded for it."""
+
+
 class RewardConfig(_Section):
     fn: str = "task"
     """'task': the task's verifier; or 'module:function' / 'path/file.py:function'."""
+    rule_weight: float = 1.0
+    """The rule function's score in the reward (with a reward model; alone it is the reward). 0: the rule is
+    still run and recorded (reward/rule) but not trained on."""
+    model: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    """A learned reward model beside the rule function."""
     timeout_s: float = Field(30.0, gt=0)
     """Deadline for a batch's reward calls, which run at once: a call still running then scores 0 with a
     timeout error (killed under reward.isolation=process) and the step goes on."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import html
 import json
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -27,23 +29,26 @@ def load_run(run_dir: str | Path) -> dict:
     if not (run_dir / "metrics.jsonl").exists():
         raise UsageError(f"{run_dir} is not a run directory (no metrics.jsonl): give the folder a run wrote, "
                          "e.g. runs/arith-grpo")
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
     summary_path = run_dir / "summary.json"
     config_path = run_dir / "config.yaml"
+    try:
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        summary = None  # torn or not ours: the curves still tell the story
     return {"history": [r for r in rows if "reward/mean" in r],
             "evals": [r for r in rows if "eval/accuracy" in r],
-            "summary": json.loads(summary_path.read_text()) if summary_path.exists() else None,
+            "summary": summary if isinstance(summary, dict) else None,
             "config_yaml": config_path.read_text() if config_path.exists() else ""}
 
 
 def samples(run_dir: str | Path, steps: int = SAMPLE_STEPS, per_step: int = SAMPLES_PER_STEP) -> list[list]:
-    """Rows (SAMPLE_COLUMNS) of `per_step` samples from each of `steps` saved rollout files, spread evenly
-    over the run (always the last one)."""
-    files = decimate(sorted(Path(run_dir, "rollouts").glob("step_*.jsonl")), steps)
+    """Rows (SAMPLE_COLUMNS) of `per_step` samples from about `steps` saved rollout files, spread evenly over
+    the run (always the last one)."""
+    files = sorted(f for f in Path(run_dir, "rollouts").glob("step_*.jsonl") if f.stem[5:].isdigit())
     out = []
-    for f in files:
-        rows = read_jsonl(f)
-        out += sample_rows(int(f.stem.removeprefix("step_")), rows, per_step)
+    for f in decimate(files, steps):
+        out += sample_rows(int(f.stem[5:]), read_jsonl(f), per_step)
     return out
 
 
@@ -51,9 +56,9 @@ def report_from_run_dir(run_dir: str | Path, out: str | Path | None = None, smoo
     """`rlbench-nb report RUN_DIR`: the report of a run directory, by default RUN_DIR/report.html."""
     run = load_run(run_dir)
     h, summary = run["history"], run["summary"]
-    finished = summary is not None and h and summary.get("steps", -1) >= h[-1]["step"]
-    facts = header_facts(h, run["evals"], "finished" if finished else "unfinished",
-                         summary["steps"] if finished else None)
+    ended = summary is not None and h and summary.get("steps") == h[-1].get("step")  # the summary is the last word
+    state = ("stopped" if summary.get("stopped") else "finished") if ended else "unfinished"
+    facts = header_facts(h, run["evals"], state, summary.get("target", summary.get("steps")) if ended else None)
     return write_report(out or Path(run_dir) / "report.html", run_dir, history=h, evals=run["evals"], facts=facts,
                         summary=summary, config_yaml=run["config_yaml"], smoothing=smoothing)
 
@@ -80,19 +85,23 @@ def write_report(path: str | Path, run_dir: str | Path, *, history: list[dict], 
             f"<style>{_CSS}</style><script type='text/javascript'>{get_plotlyjs()}</script></head>"
             f"<body>{''.join(body)}</body></html>")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(path)  # a reader never sees half a report
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # one per writer
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        tmp.replace(path)  # a reader never sees half a report
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
 def _summary_html(s: dict) -> str:
     def num(v, fmt=".3f"):
-        return "—" if v is None else format(v, fmt)
+        return format(v, fmt) if isinstance(v, int | float) and not isinstance(v, bool) else "—"
     rows = [("held-out accuracy", f"{num(s.get('accuracy_before'))} → {num(s.get('accuracy_after'))} "
                                   f"({num(s.get('accuracy_gain'), '+.3f')}, {s.get('eval_prompts', '?')} prompts)"),
             ("train reward", f"{num(s.get('reward_first'))} (first steps) → {num(s.get('reward_last'))} (last steps)"),
-            ("steps", f"{s.get('steps')} ({s.get('steps_this_run')} in the last run)"),
+            ("steps", f"{s.get('steps')} ({s.get('steps_this_run')} in the last run"
+                      + (", stopped before its end" if s.get("stopped") else "") + ")"),
             ("wall time", f"{s.get('wall_s')} s")]
     cells = "".join(f"<tr><th>{k}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     return f"<h2>Summary</h2><table class='summary'>{cells}</table>"

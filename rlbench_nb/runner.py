@@ -93,6 +93,7 @@ def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, on_failu
         if pending is not None:  # a rollout queued for a step that will not come: let it finish quietly
             sess._discard_rollout(pending)
     summary = _summary(sess, before, after, time.time() - t0, sess.step_count - start)
+    summary.update(target=target, stopped=bool(control is not None and control.stopped))
     sess.rundir.write_summary(summary)
     return summary
 
@@ -158,7 +159,6 @@ class BackgroundRun:
         self.task: asyncio.Task | None = None
         self.summary: dict | None = None
         self.error: BaseException | None = None  # what the loop raised, if it failed
-        self.started = time.time()
         self._ended = False  # the loop has returned or raised (the task itself ends a moment later)
         self._error_raised = False
 

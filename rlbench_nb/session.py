@@ -101,6 +101,9 @@ class Session(WhatIf):
         self.test_data = self._dataset(cfg.data.test_path, self.task.test_rows, "test")
         self.sampler = PromptSampler(len(self.train_data), cfg.data.batch_size, cfg.run.seed, cfg.data.shuffle)
         self._reward_fn = self.task.verifier if cfg.reward.fn == "task" else load_reward_fn(cfg.reward.fn)
+        if cfg.reward.model.path:  # before the run directory is claimed: a wrong folder costs nothing
+            from .roles.reward_model import check_reward_model
+            check_reward_model(cfg.reward.model.path)
 
         self.rundir = RunDir(run_dir or fresh_run_dir(cfg))
         self.lease = Lease(self.run_dir)
@@ -129,8 +132,9 @@ class Session(WhatIf):
         self.metrics = MetricsLog(self.run_dir, cfg.run.tensorboard, trackers, cfg.run.tracker_samples)
         self.background = None              # the BackgroundRun, when one was started
         self.run_target: int | None = None  # the step the current (or last) run() goes to
-        self.run_outcome: str | None = None  # how the last foreground run() ended: finished, stopped, failed
-        self.run_end_step: int | None = None  # ... and at which step
+        # how the last run() ended (finished, stopped, failed) and at which step; cleared by a step or a restore
+        self.run_outcome: str | None = None
+        self.run_end_step: int | None = None
         self._rollout_stale = False         # a weight push failed after an update: push before generating
         self.last_saved_step: int | None = None  # the step of this session's newest checkpoint
         self._snapshots: set[str] = set()   # keys the workers hold (snapshots.py)
@@ -280,7 +284,7 @@ class Session(WhatIf):
         with self._phase("score"):
             m = dict(batch.info.get("metrics", {}))
             with compute.timed(m, "time/score_s"):
-                scored = self.groups["reward"].call_split("score", reward_inputs(batch))
+                scored = self._rewards(reward_inputs(batch))
             out = batch.replace(scored)
             if "scores_B" in batch:  # re-scoring: the earlier reward stays beside the new one
                 out["scores_before_B"] = batch["scores_B"]
@@ -293,6 +297,21 @@ class Session(WhatIf):
                 first = next(e for e in out["reward_error"] if e)
                 log.warning("%d reward error(s) this step; first: %s", m["reward/errors"], first)
             return out
+
+    def _rewards(self, inputs: Batch) -> Batch:
+        """The rule function's scores, and with a reward model its scores too, computed at the same time on
+        their own workers and combined by weight (reward.rule_weight, reward.model.weight)."""
+        if "reward_model" not in self.groups:
+            return self.groups["reward"].call_split("score", inputs)
+        model_call = self.groups["reward_model"].submit_shards("score", inputs)
+        try:
+            scored = self.groups["reward"].call_split("score", inputs)
+        finally:
+            model = Batch.cat(self.groups["reward_model"].collect(model_call))  # waited for even if the rule failed
+        w = self.cfg.reward
+        scored["rule_scores_B"], scored["rm_scores_B"] = scored["scores_B"], model["rm_scores_B"]
+        scored["scores_B"] = w.rule_weight * scored["scores_B"] + w.model.weight * model["rm_scores_B"]
+        return scored
 
     def prepare(self, batch: Batch) -> Batch:
         """Old log-probs (policy), reference log-probs and KL, values (critic), advantages and returns.
@@ -412,6 +431,7 @@ class Session(WhatIf):
         """The step's bookkeeping, all together: step count, KL controller, metrics row, controller state."""
         self.lease.renew()  # first: a session taken over mid-step writes nothing more
         self.step_count += 1
+        self.run_outcome = None  # moved on from the last run's end (a run sets it again when it ends)
         if "kl_current" in batch.info:
             self.kl_ctrl.update(batch.info["kl_current"], n_steps=len(batch))
         self.metrics.record_step(self.step_count, m)
@@ -601,6 +621,7 @@ class Session(WhatIf):
         """`metrics`: also align the metrics log (rows past the step move aside); a branch returning to the
         main line, whose rows went elsewhere, passes False."""
         self.step_count = state["step"]
+        self.run_outcome = None  # another state than the one the last run ended in
         self.trainer_steps = dict(state.get("trainer_steps", {}))  # absent in runs from before it was kept
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])

@@ -15,9 +15,20 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 def make_chat_model(path: Path, corpus: list[str], vocab_size: int = 512, seed: int = 0) -> Path:
     """Write tokenizer + model to `path` (a local Hugging Face directory) and return it."""
+    return _write(path, corpus, vocab_size, seed, "Qwen2ForCausalLM")
+
+
+def make_reward_model(path: Path, corpus: list[str], vocab_size: int = 384, seed: int = 1, num_labels: int = 1) -> Path:
+    """The same architecture as a sequence classifier (`Qwen2ForSequenceClassification`, a score head on the
+    last non-pad token): a reward model with a tokenizer and chat template of its own."""
+    return _write(path, corpus, vocab_size, seed, "Qwen2ForSequenceClassification", num_labels=num_labels)
+
+
+def _write(path: Path, corpus: list[str], vocab_size: int, seed: int, arch: str, **extra) -> Path:
     import torch
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+    from transformers import Qwen2Config, Qwen2Tokenizer
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -30,8 +41,8 @@ def make_chat_model(path: Path, corpus: list[str], vocab_size: int = 512, seed: 
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rope_theta=1e6,
                       tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      bos_token_id=None)
+                      bos_token_id=None, **extra)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        Qwen2ForCausalLM(cfg).save_pretrained(str(path))
+        getattr(transformers, arch)(cfg).save_pretrained(str(path))
     return Path(path)

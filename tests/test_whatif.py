@@ -83,6 +83,7 @@ def test_a_fork_leaves_the_main_line_untouched_and_adopt_continues_from_it(small
         before, main_rows = _state_digest(sess), (sess.run_dir / "metrics.jsonl").read_text()
         b = sess.fork("lr-high", 3, "train.lr=1e-3", "algo.clip_high=0.28", progress=False)
         assert _same(_state_digest(sess), before)  # weights, optimizer, lr, RNG, data position, step, config
+        assert (sess.run_target, sess.run_outcome) == (None, None)  # the branch's run is not the main line's
         assert (sess.run_dir / "metrics.jsonl").read_text() == main_rows  # the branch wrote elsewhere
         assert [r["step"] for r in b.history] == [2, 3, 4] and b.cfg.train.lr == 1e-3
         assert [r["step"] for r in read_jsonl(b.path / "metrics.jsonl") if "reward/mean" in r] == [2, 3, 4]

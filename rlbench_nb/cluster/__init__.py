@@ -25,6 +25,8 @@ def world_size_for(cfg, role: str) -> int:
         return 1
     if role in TRAINER_ROLES or host_role(cfg, role):
         return cfg.cluster.train_ranks
+    if role == "reward_model":
+        return cfg.reward.model.ranks
     return cfg.cluster.rollout_ranks if role == "rollout" else 1
 
 

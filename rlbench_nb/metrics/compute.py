@@ -32,7 +32,9 @@ def reward_metrics(batch: Batch) -> dict:
     scores = batch["scores_B"]
     return {"reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
             "reward/min": scores.min().item(), "reward/max": scores.max().item(),
-            "reward/errors": sum(1 for e in batch["reward_error"] if e)}
+            "reward/errors": sum(1 for e in batch["reward_error"] if e),
+            **({"reward/model": batch["rm_scores_B"].mean().item(), "reward/rule": batch["rule_scores_B"].mean().item()}
+               if "rm_scores_B" in batch else {})}
 
 
 def advantage_metrics(batch: Batch) -> dict:

@@ -2,8 +2,8 @@
 (widgets/figures.py draws them), and a phase timeline; `dash.save("report.html")` keeps it as a file.
 
 Redraws are throttled (at most one per `min_interval_s`) and each curve keeps at most `max_points`
-points (long runs are decimated), so a 10,000-step run stays smooth. The figures are updated in one
-`batch_update` per redraw from whichever thread finished the step: one writer at a time.
+points (long runs are decimated), so a 10,000-step run stays smooth. Each figure is updated in one
+`batch_update` per redraw, from whichever thread finished the step, under one lock: one writer at a time.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from .figures import (
     decimate,
     header_facts,
     header_html,
+    layout_key,
     section_figure,
     section_traces,
     timeline_figure,
@@ -27,9 +28,9 @@ __all__ = ["Dashboard", "decimate"]
 
 
 # plotly.js sizes a figure when JupyterLab first shows it, often before the output area has its width, and
-# keeps plotly's default 700 px as a fixed width. The header, re-rendered at every redraw, clears that width
-# and fires a resize a moment later; the figures are "responsive" (they re-fit on a resize), so the
-# sections fill the cell's width and follow it.
+# keeps plotly's default 700 px as a fixed width. The header, when shown and after the figures were laid out
+# anew, clears that width and fires a resize a moment later; the figures are "responsive" (they re-fit on a
+# resize), so the sections fill the cell's width and follow the window.
 _FIT_WIDTH = ("<img src='data:image/none,' alt='' style='display:none' onerror=\"setTimeout(() => {"
               "document.querySelectorAll('.rl-dashboard .js-plotly-plot').forEach(g => {"
               "if (g.layout && g.layout.width) delete g.layout.width; });"
@@ -52,7 +53,8 @@ class Dashboard:
         self.timeline = go.FigureWidget(timeline_figure([], timeline_steps))
         for fig in [*self.figures.values(), self.timeline]:  # plotly.js config: fit the output area on a resize
             fig._config = {**fig._config, "responsive": True}
-        self._uids: dict[str, list[str]] = {s: [] for s in SECTIONS}
+        self._layouts: dict[str, tuple] = {s: () for s in SECTIONS}  # figures.layout_key of what is drawn
+        self._fit = True  # the header carries _FIT_WIDTH once after the figures were (re)laid out
         self.header = W.HTML()
         self.smoother = W.FloatSlider(value=smoothing, min=0.0, max=0.99, step=0.01, description="smoothing",
                                       continuous_update=False, readout_format=".2f", layout={"width": "260px"})
@@ -109,18 +111,18 @@ class Dashboard:
     def _draw(self) -> None:
         for section, fig in self.figures.items():
             traces = self._traces(section)
-            uids = [t["uid"] for t in traces]
-            if uids == self._uids[section]:  # the same lines: move their points
+            key = layout_key(traces)
+            if key == self._layouts[section]:  # the same lines, modes and ticks: move their points
                 with fig.batch_update():
                     for trace, t in zip(fig.data, traces):
                         trace.x, trace.y = t["x"], t["y"]
-            else:  # a line appeared (a metric's first value, a branch, smoothing): lay the figure out anew
+            else:  # a line appeared (a metric's first value, a branch, smoothing), a mode or the ticks changed
                 new = section_figure(section, traces)
                 with fig.batch_update():
                     fig.data = []
                     fig.add_traces(list(new.data))
                     fig.layout = new.layout
-                self._uids[section] = uids
+                self._layouts[section], self._fit = key, True
                 # a layout replaced in plotly.js keeps the width it had as a fixed one; set and cleared, the
                 # width is free again, and the next resize (_FIT_WIDTH) fits it to the cell
                 fig.layout.width = 10
@@ -138,6 +140,7 @@ class Dashboard:
         same panels, with their names in the panels' legends."""
         for run in runs:
             history = getattr(run, "history", None)
+            self._overlays = [o for o in self._overlays if o[0] != run.name]  # drawn again, not twice
             self._overlays.append((run.name, history if history is not None else [run.row],
                                    getattr(run, "evals", [])))
         self.refresh(force=True)
@@ -169,8 +172,7 @@ class Dashboard:
             state = s.run_outcome
         else:
             state = s.state
-        return header_facts(s.history, s.evals, state, s.run_target,
-                            bg.started if bg is not None else None)
+        return header_facts(s.history, s.evals, state, s.run_target)
 
     def _header_html(self) -> str:
         s = self.session
@@ -183,7 +185,8 @@ class Dashboard:
         if err is not None:
             notes.append("<span style='color:#cf222e'>"
                          f"{html.escape(type(err).__name__ + ': ' + str(err))[:300]}</span>")
-        return header_html(self.facts(), " · ".join(notes)) + _FIT_WIDTH
+        fit, self._fit = (_FIT_WIDTH if self._fit else ""), False
+        return header_html(self.facts(), " · ".join(notes)) + fit
 
     @property
     def status(self):
@@ -199,9 +202,10 @@ class Dashboard:
         """A standalone HTML file of this run — the header, every section, the phase timeline, the config,
         the summary (once a run wrote one) and rollout samples from the run directory — that opens in any
         browser without a kernel or a network (plotly.js is inside)."""
-        from ..report import write_report
+        from ..report import load_run, write_report
         s = self.session
-        summary = s.background.summary if s.background is not None and s.background.summary else None
+        summary = load_run(s.run_dir)["summary"]  # the last run's, if it ended where the session is now
+        summary = summary if summary and summary.get("steps") == s.step_count else None
         return write_report(path, s.run_dir, history=s.history, evals=s.evals, facts=self.facts(),
                             summary=summary, config_yaml=s.cfg.to_yaml(), smoothing=self.smoothing,
                             timeline=timeline_figure(self.timeline_bars(), self.timeline_steps))
@@ -212,4 +216,6 @@ class Dashboard:
 
     def _ipython_display_(self):
         from IPython.display import display
+        self._fit = True  # a new view: fit it to its cell
+        self.refresh(force=True)
         display(self.widget)

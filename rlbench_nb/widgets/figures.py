@@ -7,8 +7,8 @@ curves can be smoothed with an EMA (debiased, as TensorBoard's slider), the raw 
 """
 from __future__ import annotations
 
+import html
 import math
-import time
 
 # section -> panels: (title, [(metric key, line name)]). "memory/*" expands to one line per role.
 SECTIONS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
@@ -65,9 +65,15 @@ def ema(ys: list[float], weight: float) -> list[float]:
     return out
 
 
-def series(rows: list[dict], key: str, max_points: int) -> tuple[list, list]:
-    pts = decimate([(r["step"], r[key]) for r in rows if r.get(key) is not None], max_points)
+def series(rows: list[dict], key: str, max_points: int | None = None) -> tuple[list, list]:
+    """(steps, values) of `key` in `rows` that have it, decimated to about `max_points` (None: all)."""
+    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    pts = decimate(pts, max_points) if max_points else pts
     return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _finite(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _lines(panel: list[tuple[str, str]], history: list[dict]) -> list[tuple[str, str]]:
@@ -84,8 +90,7 @@ def section_traces(section: str, history: list[dict], evals: list[dict], smoothi
     `overlays`: (name, history, evals) of branches, drawn dashed in every panel they have data for."""
     out = []
     for p, (_, panel) in enumerate(SECTIONS[section]):
-        lines = [(k, n, series(evals if k.startswith("eval/") else history, k, max_points)) for k, n in
-                 _lines(panel, history)]
+        lines = [(k, n, series(evals if k.startswith("eval/") else history, k)) for k, n in _lines(panel, history)]
         lines = [(k, n, xy) for k, n, xy in lines if xy[0]]
         legend = len(lines) > 1
         for i, (key, name, (x, y)) in enumerate(lines):
@@ -98,11 +103,14 @@ def section_traces(section: str, history: list[dict], evals: list[dict], smoothi
                             "mode": "lines", "line": {"width": 0}, "fill": "tonexty", "showlegend": False,
                             "fillcolor": "rgba(76,114,176,0.15)", "hoverinfo": "skip"})
             smooth = smoothing if key.startswith(SMOOTHED) else 0.0
+            keep = decimate(list(range(len(x))), max_points)  # smoothed over every step, then thinned out
+            smoothed = ema(y, smooth)
+            x, y, smoothed = [x[i] for i in keep], [y[i] for i in keep], [smoothed[i] for i in keep]
             if smooth:  # the raw curve stays visible, faint, under the smoothed one
                 out.append({"uid": f"{key}:raw", "panel": p, "x": x, "y": y, "name": name, "mode": "lines",
                             "line": {"color": color, "width": 1}, "opacity": 0.25, "showlegend": False,
                             "hoverinfo": "skip"})
-            out.append({"uid": key, "panel": p, "x": x, "y": ema(y, smooth), "name": name,
+            out.append({"uid": key, "panel": p, "x": x, "y": smoothed, "name": name,
                         "mode": "lines+markers" if key.startswith("eval/") or len(x) < 3 else "lines",
                         "line": {"color": color, "width": 2}, "showlegend": legend,
                         "hovertemplate": f"{name}: %{{y:.4g}}<extra></extra>"})
@@ -138,9 +146,8 @@ def section_figure(section: str, traces: list[dict]):
         fig.update_layout({name: {"x": sub.xaxis.domain[1] + 0.005, "y": sub.yaxis.domain[1], "xanchor": "left",
                                   "yanchor": "top", "font": {"size": 10}, "tracegroupgap": 0,
                                   "itemwidth": 30}})
-    last = max((x for t in traces for x in t["x"][-1:]), default=0)
     # whole steps: a short run gets one tick per step instead of 1.5, 2.5
-    fig.update_xaxes(title_text="step", title_standoff=4, title_font_size=11, dtick=1 if last <= 8 else None)
+    fig.update_xaxes(title_text="step", title_standoff=4, title_font_size=11, dtick=1 if _short(traces) else None)
     # small numbers as 2e-9, not plotly's SI "2n"; counts (tokens/s, GB) keep 4M / 1.2k; 0 always in view
     fig.update_yaxes(exponentformat="e" if section == "policy" else "SI", separatethousands=True, rangemode="tozero")
     fig.update_annotations(font_size=13)
@@ -149,21 +156,29 @@ def section_figure(section: str, traces: list[dict]):
     return fig
 
 
-def header_facts(history: list[dict], evals: list[dict], state: str, target: int | None,
-                 started: float | None = None) -> dict:
+def _short(traces: list[dict]) -> bool:
+    return max((x for t in traces for x in t["x"][-1:] if _finite(x)), default=0) <= 8
+
+
+def layout_key(traces: list[dict]) -> tuple:
+    """What section_figure's layout depends on: the lines, their modes, the step ticks. Traces with the same key
+    fit the same figure (only their points differ)."""
+    return tuple((t["uid"], t["mode"]) for t in traces) + (_short(traces),)
+
+
+def header_facts(history: list[dict], evals: list[dict], state: str, target: int | None) -> dict:
     """The header row's numbers: step / total, steps/s and ETA (from the last 10 steps' wall time), the last
     reward and held-out accuracy, and the state as it is (running, paused, finished, stopped, failed)."""
-    step = history[-1]["step"] if history else 0
-    recent = [r["time/step_s"] for r in history[-10:] if r.get("time/step_s")]
+    step = history[-1]["step"] if history and _finite(history[-1].get("step")) else 0
+    recent = [r["time/step_s"] for r in history[-10:] if _finite(r.get("time/step_s")) and r["time/step_s"] > 0]
     per_step = sum(recent) / len(recent) if recent else None
     live = state in ("running", "paused")
     return {
-        "state": state, "step": step, "target": target if target and target >= step else None,
+        "state": state, "step": step, "target": target if _finite(target) and target >= step else None,
         "steps_per_s": 1 / per_step if per_step else None,
-        "eta_s": (target - step) * per_step if live and per_step and target and target > step else None,
-        "elapsed_s": time.time() - started if started and live else None,
-        "reward": history[-1].get("reward/mean") if history else None,
-        "accuracy": evals[-1].get("eval/accuracy") if evals else None,
+        "eta_s": (target - step) * per_step if live and per_step and _finite(target) and target > step else None,
+        "reward": history[-1].get("reward/mean") if history and _finite(history[-1].get("reward/mean")) else None,
+        "accuracy": evals[-1].get("eval/accuracy") if evals and _finite(evals[-1].get("eval/accuracy")) else None,
         "accuracy_step": evals[-1].get("step") if evals else None,
     }
 
@@ -179,8 +194,9 @@ STATE_COLORS = {"running": "#1a7f37", "paused": "#9a6700", "failed": "#cf222e", 
 
 def header_html(f: dict, extra: str = "") -> str:
     """The header row as HTML cells: what a researcher glances at first."""
-    cells = [("state", f"<b style='color:{STATE_COLORS.get(f['state'], '#57606a')}'>{f['state']}</b>"),
-             ("step", f"{f['step']}" + (f" / {f['target']}" if f["target"] else ""))]
+    state = html.escape(str(f["state"]))
+    cells = [("state", f"<b style='color:{STATE_COLORS.get(f['state'], '#57606a')}'>{state}</b>"),
+             ("step", f"{f['step']}" + (f" / {f['target']}" if f["target"] else ""))]  # numbers (header_facts)
     if f["steps_per_s"]:
         cells.append(("steps/s", f"{f['steps_per_s']:.2f}"))
     if f["eta_s"] is not None:
@@ -188,7 +204,7 @@ def header_html(f: dict, extra: str = "") -> str:
     if f["reward"] is not None:
         cells.append(("reward", f"{f['reward']:.3f}"))
     if f["accuracy"] is not None:
-        cells.append((f"held-out acc (step {f['accuracy_step']})", f"{f['accuracy']:.3f}"))
+        cells.append((f"held-out acc (step {html.escape(str(f['accuracy_step']))})", f"{f['accuracy']:.3f}"))
     body = "".join(f"<div class='rl-cell'><div class='rl-label'>{k}</div><div class='rl-value'>{v}</div></div>"
                    for k, v in cells)
     return (f"<div class='rl-header' style='display:flex;gap:28px;align-items:flex-end;font-family:sans-serif'>"

@@ -329,3 +329,24 @@ def test_snapshots_branches_and_shipped_losses_with_two_fsdp_ranks(ray_cluster, 
     assert sess.step_count == 3 and sess.cfg.algo.policy_loss == "ppo"
     assert_rollout_holds_policy_weights(sess)
     sess.close()
+
+
+def test_reward_model_on_two_fsdp_ranks_scores_like_one_process(ray_cluster, small_cfg, tmp_path):
+    """The reward_model role under Ray, sharded by FSDP2 over 2 ranks (each scores half the batch), gives the
+    in-process worker's scores, and its ranks show in the session's table."""
+    from rlbench_nb.roles.reward_model import RewardModelWorker
+
+    from ..chat_model import make_reward_model
+    from ..roles.test_reward_model import CORPUS
+    rm = make_reward_model(tmp_path / "rm", CORPUS)
+    sess = rl.Session(small_cfg(*RAY, f"reward.model.path={rm}", "reward.model.ranks=2"))
+    try:
+        batch = sess.rollout()
+        got = sess.score(batch)["rm_scores_B"]
+        want = RewardModelWorker(sess.cfg).score(batch)["rm_scores_B"]
+        # the same forward, its matmuls on all-gathered shards: fp32 rounding at most (~1e-6 relative)
+        assert got.tolist() == pytest.approx(want.tolist(), rel=1e-4, abs=1e-5) and want.std() > 0
+        assert [(r[0], r[1]) for r in sess.workers.table() if r[0] == "reward_model"] == [("reward_model", 0),
+                                                                                          ("reward_model", 1)]
+    finally:
+        sess.close()

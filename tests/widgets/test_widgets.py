@@ -67,13 +67,22 @@ def test_dashboard_draws_sections_with_legends_and_step_axes(small_cfg):
     assert list(smoothed["mean"].y) == pytest.approx(ema(list(raw["mean"].y), 0.9), rel=1e-12)
     with pytest.raises(ValueError, match="smoothing"):
         dash.smooth(1.0)
+    assert outcome.layout.xaxis.dtick == 1  # a short run: one tick per step
+    for _ in range(7):
+        sess.step()
+    dash.refresh(force=True)  # past 8 steps: plotly's own ticks, plain lines (redrawn, not only moved)
+    assert outcome.layout.xaxis.dtick is None and {t.mode for t in outcome.data if t.name == "mean"} == {"lines"}
 
 
 def test_report_from_a_live_session_and_from_the_run_directory(small_cfg, tmp_path):
     sess = rl.Session(small_cfg("run.tensorboard=false"))
     summary = sess.run(steps=3, progress=False)
     dash = sess.dashboard()
+    assert dash.facts()["state"] == "finished" and dash.facts()["target"] == 3  # a foreground run's true end
     page = dash.save(tmp_path / "live.html").read_text()
+    assert "<h2>Summary" in page and "stopped before its end" not in page
+    sess.step()
+    assert dash.facts()["state"] == "ready"  # moved on since the run ended
     sess.close()
     assert page.count('class="plotly-graph-div"') == 4  # three sections and the phase timeline
     assert "Plotly.newPlot" in page and "<script src" not in page  # plotly.js inside: no network needed
@@ -82,10 +91,28 @@ def test_report_from_a_live_session_and_from_the_run_directory(small_cfg, tmp_pa
     assert first["prompt"] in page and "kl_coef" in page  # a rollout sample and the config
     assert cli(["report", str(sess.run_dir)]) == 0  # from the files alone, by default into the run directory
     offline = (sess.run_dir / "report.html").read_text()
-    assert ">finished</b>" in offline and first["prompt"] in offline and offline.count('class="plotly-graph-div"') == 3
+    assert ">unfinished</b>" in offline  # a step was taken past the run's summary
+    assert first["prompt"] in offline and offline.count('class="plotly-graph-div"') == 3
     assert cli(["report", str(tmp_path / "nowhere")]) == 2
     with pytest.raises(rl.UsageError, match="not a run directory"):
         report_from_run_dir(tmp_path)
+
+
+def test_report_of_a_stopped_run_with_odd_files(tmp_path):
+    """A colleague's folder: a stopped background run, a NaN timing, a row whose step is not a number, a
+    rollout file not named by a step. The report says what happened and renders the rest."""
+    run = tmp_path / "odd"
+    (run / "rollouts").mkdir(parents=True)
+    rows = [{"step": s, "reward/mean": s / 4, "time/step_s": 0.5 if s > 1 else float("nan")} for s in (1, 2)]
+    rows.append({"step": "<img src=x onerror=alert(1)>", "reward/mean": 1.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps({"steps": 2, "target": 10, "stopped": True, "wall_s": "?",
+                                                  "accuracy_before": None, "accuracy_after": 0.5}))
+    (run / "rollouts" / "step_000002.jsonl").write_text(json.dumps({"prompt": "<b>1+1=</b>", "response": "2"}) + "\n")
+    (run / "rollouts" / "step_final.jsonl").write_text("{}\n")
+    page = report_from_run_dir(run).read_text()
+    assert ">stopped</b>" in page and "2 / 10" in page and "stopped before its end" in page
+    assert "<img src=x" not in page and "&lt;b&gt;1+1=&lt;/b&gt;" in page
 
 
 def test_dashboard_redraws_are_throttled(small_cfg):

@@ -1,0 +1,68 @@
+"""The reward-model role: a sequence classifier with its own tokenizer and chat template scores the
+policy's decoded responses beside the rule function, and the two combine by weight."""
+import pytest
+import torch
+
+import rlbench_nb as rl
+from rlbench_nb.data.batch import Batch
+from rlbench_nb.roles.reward_model import RewardModelWorker
+
+from ..chat_model import make_reward_model
+
+CORPUS = [f"{a}+{b}={a + b}" for a in range(50) for b in range(50)][::7] + ["You are a helpful assistant."]
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory):
+    return make_reward_model(tmp_path_factory.mktemp("rm"), CORPUS)
+
+
+def test_scores_are_the_models_own_forward_on_its_chat_template(rm_dir, small_cfg):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    cfg = small_cfg(f"reward.model.path={rm_dir}", "reward.model.micro_batch_size=3")
+    worker = RewardModelWorker(cfg)
+    batch = Batch(meta={"prompt": ["12+30=", "7+8=", "40+2=", "1+1="], "response": ["42", "15", "4", "2"]})
+    got = worker.score(batch)["rm_scores_B"]
+    # the reference: the HF model alone, one sample at a time (no padding), on the ChatML text its template makes
+    tok = AutoTokenizer.from_pretrained(str(rm_dir))
+    model = AutoModelForSequenceClassification.from_pretrained(str(rm_dir)).eval()
+    text = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n12+30=<|im_end|>\n" \
+           "<|im_start|>assistant\n42<|im_end|>\n"
+    assert worker.texts(batch)[0] == text
+    with torch.no_grad():
+        want = [model(**tok(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
+                for t in worker.texts(batch)]
+    # padded micro-batches (3 + 1) against unpadded singles: the same math on other matrix shapes, so fp32
+    # rounding differs in the last bits (~1e-6 relative); 1e-4 holds on any CPU and still catches a score read
+    # from a pad token or another sample
+    assert got.tolist() == pytest.approx(want, rel=1e-4, abs=1e-5)
+    assert len(set(round(x, 4) for x in want)) == 4  # the samples score differently: the check can fail
+    plain = RewardModelWorker(cfg.override("reward.model.chat_template=off"))
+    assert plain.texts(batch)[1] == "7+8=15"
+
+
+def test_session_combines_rule_and_model_by_weight(rm_dir, small_cfg):
+    sess = rl.Session(small_cfg(f"reward.model.path={rm_dir}", "reward.model.weight=0.5", "reward.rule_weight=2.0",
+                                "run.tensorboard=false"))
+    try:
+        scored = sess.score(sess.rollout())
+        rule, model = scored["rule_scores_B"], scored["rm_scores_B"]
+        assert set(rule.tolist()) <= {0.0, 1.0} and model.std() > 0  # the verifier, and a real model's scores
+        assert torch.equal(scored["scores_B"], 2.0 * rule + 0.5 * model)
+        m = scored.info["metrics"]
+        assert m["reward/rule"] == pytest.approx(rule.mean().item()) and m["reward/model"] == pytest.approx(
+            model.mean().item())
+        assert {"reward_model", "reward_rule"} <= set(scored.rows()[0])  # shown in the inspector and rollout files
+        row = sess.update(sess.prepare(scored))
+        assert "reward/model" in row and any(rec.role == "reward_model" for rec in sess.groups["reward_model"].records)
+        assert sess.evaluate()["eval/n"] == 40  # evaluation stays the verifier's
+    finally:
+        sess.close()
+
+
+def test_a_model_that_is_not_a_reward_model_is_refused(tmp_path, small_cfg):
+    two = make_reward_model(tmp_path / "two", CORPUS, num_labels=2)
+    with pytest.raises(rl.ConfigError, match="num_labels=2; a reward model gives one score"):
+        rl.Session(small_cfg(f"reward.model.path={two}", "run.tensorboard=false"))
+    with pytest.raises(rl.ConfigError, match="is not a local Hugging Face model folder"):
+        rl.Session(small_cfg(f"reward.model.path={tmp_path / 'missing'}", "run.tensorboard=false"))
