@@ -331,6 +331,7 @@ def test_snapshots_branches_and_shipped_losses_with_two_fsdp_ranks(ray_cluster, 
     sess.close()
 
 
+@pytest.mark.slow  # ~40 s: a second model role under Ray; the default run keeps the in-process RM tests
 def test_reward_model_on_two_fsdp_ranks_scores_like_one_process(ray_cluster, small_cfg, tmp_path):
     """The reward_model role under Ray, sharded by FSDP2 over 2 ranks (each scores half the batch), gives the
     in-process worker's scores, and its ranks show in the session's table."""
