@@ -10,7 +10,9 @@ from .conftest import REPO
 
 
 @pytest.mark.parametrize("script, args", [
-    ("benchmarks/controller_overhead.py", ["--calls", "2", "--steps", "1", "--backends", "local", "ray-colocated"]),
+    # the two ~50-second ones run in the slow stage (the default run stays well under 30 minutes)
+    pytest.param("benchmarks/controller_overhead.py", ["--calls", "2", "--steps", "1", "--backends", "local",
+                                                       "ray-colocated"], marks=pytest.mark.slow),
     pytest.param("benchmarks/async_overlap.py", ["--steps", "1", "data.batch_size=4", "rollout.n=2", "task.num_test=8",
                                                   "cluster.train_ranks=1"], marks=pytest.mark.slow),
     ("benchmarks/logprob_memory.py", ["--tokens", "64", "--vocab", "1000", "--hidden", "32"]),
@@ -22,8 +24,8 @@ from .conftest import REPO
     pytest.param("benchmarks/lora.py", ["--sizes", "20m", "--steps", "1", "--warmup", "0", "--reps", "1"],
                  marks=[pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("peft") is None,
                                                              reason="peft not installed")]),
-    ("benchmarks/determinism.py", ["--backends", "local", "--steps", "1", "--warmup", "0", "--reps", "1",
-                                   "--settings", "deterministic"]),
+    pytest.param("benchmarks/determinism.py", ["--backends", "local", "--steps", "1", "--warmup", "0", "--reps", "1",
+                                                "--settings", "deterministic"], marks=pytest.mark.slow),
     pytest.param("benchmarks/vs_trl.py", ["--backends", "local", "--steps", "1", "--warmup", "0", "--reps", "1"],
                  marks=pytest.mark.skipif(importlib.util.find_spec("trl") is None,
                                           reason="TRL is a benchmark-only dependency: pip install trl")),
