@@ -76,13 +76,22 @@ class RewardModelWorker:
     @torch.no_grad()
     def score(self, batch: Batch) -> Batch:
         """{"rm_scores_B": the model's score of each (prompt, response)}."""
-        rm = self.cfg.reward.model
+        mbs = self.cfg.reward.model.micro_batch_size
         texts, parts = self.texts(batch), []
-        for i in range(0, len(texts), rm.micro_batch_size):
-            enc = self.tokenizer(texts[i:i + rm.micro_batch_size], return_tensors="pt", padding=True, truncation=True,
-                                 max_length=rm.max_len, add_special_tokens=not self.uses_chat_template)
-            parts.append(self.model(**enc.to(self.device)).logits[:, 0].float().cpu())
+        n = -(-len(texts) // mbs)
+        if self.sharded:  # every rank runs as many forwards (FSDP2 gathers weights in each): pad with a dummy
+            n = int(dist_util.all_reduce_max(torch.tensor([float(n)]))[0])
+        for i in range(n):
+            chunk = texts[i * mbs:(i + 1) * mbs]
+            scores = self._forward(chunk or [" "])
+            if chunk:
+                parts.append(scores)
         return Batch({"rm_scores_B": torch.cat(parts) if parts else torch.zeros(0)})
+
+    def _forward(self, texts: list[str]) -> torch.Tensor:
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
+                             max_length=self.cfg.reward.model.max_len, add_special_tokens=not self.uses_chat_template)
+        return self.model(**enc.to(self.device)).logits[:, 0].float().cpu()
 
     def memory(self) -> dict:
         return memory_snapshot()
