@@ -30,16 +30,21 @@ def load_run(run_dir: str | Path) -> dict:
         raise UsageError(f"{run_dir} is not a run directory (no metrics.jsonl): give the folder a run wrote, "
                          "e.g. runs/arith-grpo")
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
-    summary_path = run_dir / "summary.json"
     config_path = run_dir / "config.yaml"
-    try:
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        summary = None  # torn or not ours: the curves still tell the story
     return {"history": [r for r in rows if "reward/mean" in r],
             "evals": [r for r in rows if "eval/accuracy" in r],
-            "summary": summary if isinstance(summary, dict) else None,
+            "summary": read_summary(run_dir),
             "config_yaml": config_path.read_text() if config_path.exists() else ""}
+
+
+def read_summary(run_dir: str | Path) -> dict | None:
+    """summary.json of the run's last finished run(), or None (none yet, torn, or not ours)."""
+    path = Path(run_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text()) if path.exists() else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None  # the curves still tell the story
+    return summary if isinstance(summary, dict) else None
 
 
 def samples(run_dir: str | Path, steps: int = SAMPLE_STEPS, per_step: int = SAMPLES_PER_STEP) -> list[list]:

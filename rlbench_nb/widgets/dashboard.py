@@ -74,11 +74,6 @@ class Dashboard:
         self._unsubscribe = session.on_step(self._on_step)
         self.refresh(force=True)
 
-    @property
-    def figure(self):
-        """The outcome section (the first figure); `figures` holds all three."""
-        return self.figures["outcome"]
-
     # ---- drawing --------------------------------------------------------------------------------
     def _on_step(self, _row) -> None:
         self.refresh(force=_row is None)
@@ -188,11 +183,6 @@ class Dashboard:
         fit, self._fit = (_FIT_WIDTH if self._fit else ""), False
         return header_html(self.facts(), " · ".join(notes)) + fit
 
-    @property
-    def status(self):
-        """The header widget (its `.value` is the HTML shown)."""
-        return self.header
-
     def points(self) -> int:
         """Points currently drawn in all curves (what tests and the browser check)."""
         return sum(len(t.x or ()) for fig in self.figures.values() for t in fig.data)
@@ -202,9 +192,9 @@ class Dashboard:
         """A standalone HTML file of this run — the header, every section, the phase timeline, the config,
         the summary (once a run wrote one) and rollout samples from the run directory — that opens in any
         browser without a kernel or a network (plotly.js is inside)."""
-        from ..report import load_run, write_report
+        from ..report import read_summary, write_report
         s = self.session
-        summary = load_run(s.run_dir)["summary"]  # the last run's, if it ended where the session is now
+        summary = read_summary(s.run_dir)  # the last run's, if it ended where the session is now
         summary = summary if summary and summary.get("steps") == s.step_count else None
         return write_report(path, s.run_dir, history=s.history, evals=s.evals, facts=self.facts(),
                             summary=summary, config_yaml=s.cfg.to_yaml(), smoothing=self.smoothing,

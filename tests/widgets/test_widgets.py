@@ -175,7 +175,7 @@ def test_background_failure_shows_in_the_dashboard_and_is_raised_next_time(small
         return run
     run = asyncio.run(main())
     assert run.state == "failed" and "loss exploded" in str(run.error)
-    assert "failed" in dash.status.value and "loss exploded" in dash.status.value
+    assert "failed" in dash.header.value and "loss exploded" in dash.header.value
     with pytest.raises(RuntimeError, match="the background run failed at step 1: WorkerError: policy rank 0"):
         sess.run(steps=1, progress=False)
     monkeypatch.undo()
