@@ -76,6 +76,36 @@ class RunConfig(_Section):
         return n
 
 
+ROLES = ("policy", "rollout", "reward", "reward_model", "reference", "critic")
+
+
+class PoolConfig(_Section):
+    """A resource pool: what each worker of the roles mapped to it reserves, and where it may run."""
+
+    cpus_per_worker: float | None = Field(None, gt=0)
+    """CPUs reserved per worker (null: cluster.cpus_per_worker)."""
+    gpus_per_worker: float | None = Field(None, ge=0)
+    """GPUs reserved per worker (null: cluster.gpus_per_worker)."""
+    resources: dict[str, float] = {}
+    """Custom Ray resources per worker, e.g. {node_a: 0.01} for a node started with
+    `ray start --resources='{"node_a": 1}'`: pins the pool to the nodes that have them."""
+    labels: dict[str, str] = {}
+    """Node labels its workers' nodes must carry (`ray start --labels=zone=a`)."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where its models compute: 'auto' (CUDA when the worker sees a GPU), 'cuda', or 'cpu' (e.g. a reference
+    model on CPU while the rest is on GPUs)."""
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        for key, amount in resources.items():
+            if key in ("CPU", "GPU"):
+                raise ValueError(f"give {key} as cpus_per_worker / gpus_per_worker, not in resources")
+            if amount <= 0:
+                raise ValueError(f"resource {key!r} needs an amount > 0, got {amount}")
+        return resources
+
+
 class ClusterConfig(_Section):
     backend: Literal["local", "ray"] = "local"
     """'local': every role in this process (world size 1, pdb works); 'ray': each rank a Ray actor."""
@@ -106,6 +136,32 @@ class ClusterConfig(_Section):
     """Ray: actors outlive this process (needs a cluster started with `ray start --head`)."""
     num_threads: int = Field(0, ge=0)
     """torch CPU threads per process (0: torch's default; 1 under run.deterministic)."""
+    pools: dict[str, PoolConfig] = {}
+    """Ray: named resource pools (cluster/pools.py), e.g. {actor: {gpus_per_worker: 1}, cpu: {device: cpu}};
+    empty: every role reserves cluster.cpus_per_worker / gpus_per_worker anywhere."""
+    role_pools: dict[str, str] = {}
+    """Ray, with cluster.pools: the pool of each role the run uses (policy, rollout, reward, reward_model,
+    reference, critic), e.g. {policy: actor, rollout: actor, reference: cpu}."""
+
+    @model_validator(mode="after")
+    def _pools_named(self):
+        for role, pool in self.role_pools.items():
+            if role not in ROLES:
+                near = difflib.get_close_matches(role, ROLES, n=1)
+                hint = f" (did you mean '{near[0]}'?)" if near else ""
+                raise ValueError(f"cluster.role_pools names an unknown role '{role}'{hint}; roles: {', '.join(ROLES)}")
+            if pool not in self.pools:
+                raise ValueError(f"cluster.role_pools.{role} names pool '{pool}', which cluster.pools does not "
+                                 f"define (pools: {', '.join(self.pools) or 'none'})")
+        if self.pools and not self.role_pools:
+            raise ValueError("cluster.pools is set but cluster.role_pools maps no role to a pool: add e.g. "
+                             f"role_pools: {{policy: {next(iter(self.pools))}}}")
+        for name, pool in self.pools.items():
+            gpus = self.gpus_per_worker if pool.gpus_per_worker is None else pool.gpus_per_worker
+            if pool.device == "cuda" and not gpus:
+                raise ValueError(f"cluster.pools.{name} has device 'cuda' but reserves no GPU: set its "
+                                 "gpus_per_worker (or device: auto / cpu)")
+        return self
 
 
 class TaskConfig(_Section):
@@ -323,7 +379,8 @@ class TrainConfig(_Section):
 class RewardModelConfig(_Section):
     path: str | None = None
     """A local Hugging Face sequence-classification model (num_labels=1: one score per sequence), served by
-    the reward_model role and scored beside the rule function; None: rule rewards only."""
+    the reward_model role and scored beside the rule function; 'task': the built-in task's own, trained on the
+    verifier's labels of the warm start's samples (built and cached on first use); None: rule rewards only."""
     weight: float = 1.0
     """The model's score in the reward: scores = reward.rule_weight * rule + reward.model.weight * model."""
     ranks: int = Field(1, ge=1)
@@ -401,6 +458,16 @@ class Config(_Section):
             # FSDP2 ranks run collectives in lockstep: each needs the same number of (micro-)batches
             raise ValueError(f"data.batch_size x rollout.n = {samples} samples must divide evenly into "
                              f"cluster.train_ranks x train.mini_batches = {ranks * self.train.mini_batches}")
+        pools = self.cluster.role_pools
+        if self.cluster.backend == "ray" and self.cluster.pools:
+            missing = [r for r in self.roles if r not in pools]
+            if missing:
+                raise ValueError(f"role(s) {', '.join(missing)} have no pool: add them to cluster.role_pools "
+                                 f"(pools: {', '.join(self.cluster.pools)})")
+            if self.rollout.colocate and pools["rollout"] != pools["policy"]:
+                raise ValueError(f"rollout.colocate runs the rollout engine in the policy's processes, so both "
+                                 f"need one pool: cluster.role_pools has policy in '{pools['policy']}' and rollout "
+                                 f"in '{pools['rollout']}'")
         if self.cluster.backend == "ray" and self.rollout.colocate and self.cluster.rollout_ranks != ranks:
             raise ValueError(f"rollout.colocate runs one rollout engine in each policy process: set "
                              f"cluster.rollout_ranks={ranks} (= cluster.train_ranks), not {self.cluster.rollout_ranks}")
@@ -414,6 +481,16 @@ class Config(_Section):
     @property
     def uses_reference(self) -> bool:
         return self.algo.kl_coef > 0
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles this run starts, in build order (a host role before the roles living in its processes):
+        policy, rollout, reward, then the reward model, reference (KL; with LoRA the policy's own model) and
+        critic (GAE) when used."""
+        extra = (("reward_model",) * bool(self.reward.model.path)
+                 + ("reference",) * (self.uses_reference and not self.model.lora.r)
+                 + ("critic",) * self.uses_critic)
+        return ("policy", "rollout", "reward") + extra
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -478,6 +555,16 @@ def _subsection(field) -> type[_Section] | None:
     return t if isinstance(t, type) and issubclass(t, _Section) else None
 
 
+def _mapping(field) -> tuple[bool, type[_Section] | None] | None:
+    """(True, the section class its values hold, or None for plain values) for a mapping field
+    (cluster.pools, cluster.role_pools); None for any other field."""
+    import typing
+    if typing.get_origin(field.annotation) is not dict:
+        return None
+    value = typing.get_args(field.annotation)[1]
+    return True, value if isinstance(value, type) and issubclass(value, _Section) else None
+
+
 def _leaves(section: type[_Section], prefix: str):
     """(dotted key, field) of every plain value in `section`, nested sections walked."""
     for k, f in section.model_fields.items():
@@ -537,13 +624,32 @@ def _deep_copy(d):
 
 
 def _nearest(key: str) -> str:
-    match = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+    parent, match = _section_at(key.split(".")[:-1]), []
+    if parent is not None:  # a typo in the leaf of a known section (also under cluster.pools.<pool>)
+        m = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(parent.model_fields), n=1, cutoff=0.6)
+        match = [f"{key.rsplit('.', 1)[0]}.{m[0]}"] if m else []
+    if not match:
+        match = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
     if not match:  # a typo in the leaf alone: compare leaves
         leaf = key.rsplit(".", 1)[-1]
         leaves = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
         m = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)
         match = [leaves[m[0]]] if m else []
     return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _section_at(parts: list[str]) -> type[_Section] | None:
+    """The section class at a dotted path (through names of the user's in mapping fields), or None."""
+    section, named = _SECTIONS.get(parts[0]) if parts else None, None
+    for p in parts[1:]:
+        if named is not None:
+            section, named = named[1], None
+        elif section is None or p not in section.model_fields:
+            return None
+        else:
+            field = section.model_fields[p]
+            section, named = _subsection(field), _mapping(field)
+    return section if named is None else None
 
 
 def _apply_override(data: dict, item: str) -> None:
@@ -556,15 +662,19 @@ def _apply_override(data: dict, item: str) -> None:
     if len(parts) < 2 or section is None:
         raise ConfigError(f"unknown config key '{key}'{_nearest(key)}")
     value = yaml.safe_load(raw) if raw.strip() else None
-    cur, where = data, parts[0]
+    cur, where, named = data, parts[0], None
     for i, p in enumerate(parts[1:], start=1):  # down the nested sections (model.lora.r) to the leaf's mapping
         cur = cur.setdefault(parts[i - 1], {})
         if not isinstance(cur, dict):
             raise ConfigError(f"config section '{where}' must be a mapping, got {cur!r}")
-        if section is None or p not in section.model_fields:
+        if named is not None:  # a name of the user's in a mapping field (cluster.pools.<pool>): any key goes
+            section, named = named[1], None
+        elif section is None or p not in section.model_fields:
             raise ConfigError(f"unknown config key '{key}'{_nearest(key)}")
+        else:
+            field = section.model_fields[p]
+            section, named = _subsection(field), _mapping(field)
         where = f"{where}.{p}"
-        section = _subsection(section.model_fields[p])
     if section is not None and not isinstance(value, dict | None):
         first = next(iter(section.model_fields))
         raise ConfigError(f"'{key}' is a section: set one of its keys (e.g. {key}.{first}=...)")
@@ -592,4 +702,7 @@ def _one_line(err: ValidationError, data: dict) -> str:
         return f"invalid config: {msg}"
     value = _lookup(data, loc)
     more = f" (and {len(err.errors()) - 1} more problem(s))" if len(err.errors()) > 1 else ""
+    # a section's own check: its message names the keys, and the whole mapping would be noise
+    if isinstance(value, dict) and _section_at(list(loc)) is not None:
+        return f"invalid '{key}' section: {msg}{more}"
     return f"invalid value for '{key}': {value!r} — {msg}{more}"

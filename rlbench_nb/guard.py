@@ -78,6 +78,9 @@ class SessionGuard:
     def __init__(self):
         self.state = "starting"
         self.owner: int | None = None       # the background run's thread; phases from others are refused
+        # bumped by every phase that may change the workers' weights (update, load, restore, restart): what was
+        # computed from the weights (the critic's values) is reused only within the epoch it was computed in
+        self.epoch = 0
         self._lock = threading.RLock()
 
     @contextmanager
@@ -97,6 +100,8 @@ class SessionGuard:
             raise SessionStateError(f"cannot {what} while a background run is stepping this session: "
                                     "sess.stop() it (or sess.pause()) and wait for it to end, then try again")
         with self._lock, deferred_interrupts(what):
+            if changes_state:
+                self.epoch += 1
             try:
                 yield
             except Abandoned:

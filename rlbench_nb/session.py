@@ -101,9 +101,9 @@ class Session(WhatIf):
         self.test_data = self._dataset(cfg.data.test_path, self.task.test_rows, "test")
         self.sampler = PromptSampler(len(self.train_data), cfg.data.batch_size, cfg.run.seed, cfg.data.shuffle)
         self._reward_fn = self.task.verifier if cfg.reward.fn == "task" else load_reward_fn(cfg.reward.fn)
-        if cfg.reward.model.path:  # before the run directory is claimed: a wrong folder costs nothing
+        if self.task.reward_model_dir:  # before the run directory is claimed: a wrong folder costs nothing
             from .roles.reward_model import check_reward_model
-            check_reward_model(cfg.reward.model.path)
+            check_reward_model(str(self.task.reward_model_dir))
 
         self.rundir = RunDir(run_dir or fresh_run_dir(cfg))
         self.lease = Lease(self.run_dir)
@@ -114,7 +114,8 @@ class Session(WhatIf):
             from .roles.rollout.vllm_engine import import_vllm
             import_vllm()  # a missing install is one clear line before any worker starts
         tok = self.prompts.tokenizer
-        specs = role_specs(cfg, str(self.task.model_dir), tok.eos_token_id, tok.pad_token_id, self._reward_fn)
+        specs = role_specs(cfg, str(self.task.model_dir), tok.eos_token_id, tok.pad_token_id, self._reward_fn,
+                           str(self.task.reward_model_dir))
         try:
             self.workers = Workers(cfg, specs, self.name, reattach=_attach)
         except BaseException:  # a session that never started holds nothing: its run directory, its tracker runs
@@ -284,8 +285,14 @@ class Session(WhatIf):
         with self._phase("score"):
             m = dict(batch.info.get("metrics", {}))
             with compute.timed(m, "time/score_s"):
-                scored = self._rewards(reward_inputs(batch))
+                # the critic's value pass beside the rewards, on its own workers (the seed's PPO: critic and
+                # reward model score in parallel); prepare reuses the values while the weights are the same
+                values = self._start_values(batch)
+                scored = _finish_all(lambda: self._rewards(reward_inputs(batch)), values)
             out = batch.replace(scored)
+            if values:
+                out["values_BR"] = Batch.cat(values[0].collect(values[1]))["values_BR"]
+                out.info["values_epoch"] = self.guard.epoch
             if "scores_B" in batch:  # re-scoring: the earlier reward stays beside the new one
                 out["scores_before_B"] = batch["scores_B"]
             for stale in ("advantages_BR", "returns_BR", "advantage"):
@@ -298,16 +305,25 @@ class Session(WhatIf):
                 log.warning("%d reward error(s) this step; first: %s", m["reward/errors"], first)
             return out
 
+    def _start_values(self, batch: Batch) -> tuple | None:
+        """(critic group, pending compute_values) when the session has a critic and `batch` lacks values
+        from the current weights; else None."""
+        if "critic" not in self.groups or self._has_current_values(batch):
+            return None
+        critic = self.groups["critic"]
+        return critic, critic.submit_shards("compute_values", batch)
+
+    def _has_current_values(self, batch: Batch) -> bool:
+        return "values_BR" in batch and batch.info.get("values_epoch") == self.guard.epoch
+
     def _rewards(self, inputs: Batch) -> Batch:
         """The rule function's scores, and with a reward model its scores too, computed at the same time on
         their own workers and combined by weight (reward.rule_weight, reward.model.weight)."""
         if "reward_model" not in self.groups:
             return self.groups["reward"].call_split("score", inputs)
-        model_call = self.groups["reward_model"].submit_shards("score", inputs)
-        try:
-            scored = self.groups["reward"].call_split("score", inputs)
-        finally:
-            model = Batch.cat(self.groups["reward_model"].collect(model_call))  # waited for even if the rule failed
+        model_call = (self.groups["reward_model"], self.groups["reward_model"].submit_shards("score", inputs))
+        scored = _finish_all(lambda: self.groups["reward"].call_split("score", inputs), model_call)
+        model = Batch.cat(model_call[0].collect(model_call[1]))
         w = self.cfg.reward
         scored["rule_scores_B"], scored["rm_scores_B"] = scored["scores_B"], model["rm_scores_B"]
         scored["scores_B"] = w.rule_weight * scored["scores_B"] + w.model.weight * model["rm_scores_B"]
@@ -321,11 +337,20 @@ class Session(WhatIf):
             m = dict(batch.info.get("metrics", {}))
             t0 = time.perf_counter()
             out = batch.replace()
+            # the roles' forward passes all at once, each on its own workers (Ray runs them side by side)
+            calls = {}
             if batch.info.get("off_policy"):
                 # one step off-policy: the importance ratio is against the policy that generated the batch
                 out["old_logprobs_BR"] = batch["rollout_logprobs_BR"]
             elif not self._reuses_logprobs():
-                out.update(self.groups["policy"].call_split("compute_logprobs", batch))
+                calls["policy"] = self._submit("policy", "compute_logprobs", batch)
+            if self.cfg.uses_reference:  # with LoRA: the policy's own model with its adapters off
+                calls["reference"] = (self._submit("reference", "compute_logprobs", batch) if "reference" in self.groups
+                                      else self._submit("policy", "reference_logprobs", batch))
+            if "critic" in self.groups and not self._has_current_values(batch):
+                calls["critic"] = self._submit("critic", "compute_values", batch)
+            for done in _finish_all(lambda: [g.collect(p) for g, p in calls.values()], *calls.values()):
+                out.update(Batch.cat(done))
             mask = batch["response_mask_BR"].float()
             if "old_logprobs_BR" in out and "rollout_logprobs_BR" in batch and not batch.info.get("off_policy"):
                 # the engine's sampler vs the trainer on the same tokens and weights (reused: the policy
@@ -336,16 +361,12 @@ class Session(WhatIf):
                         out["old_logprobs_BR"], batch["rollout_logprobs_BR"], mask, a.rollout_is, a.rollout_is_cap)
                     m.update(is_stats)
             rewards = outcome_token_rewards(batch["scores_B"], mask)
-            if self.cfg.uses_reference:  # with LoRA: the policy's own model with its adapters off
-                out.update(self.groups["reference"].call_split("compute_logprobs", batch) if "reference" in self.groups
-                           else self.groups["policy"].call_split("reference_logprobs", batch))
+            if self.cfg.uses_reference:
                 kl_BR, current = reference_kl(out["old_logprobs_BR"], out["ref_logprobs_BR"], mask, a.kl_estimator)
                 m.update({"kl/ref": masked_mean(kl_BR, mask).item(), "kl/coef": self.kl_ctrl.value})
                 out.info["kl_current"] = current  # the KL controller moves when the step is taken (update)
                 if a.kl_in == "reward":
                     rewards = rewards - self.kl_ctrl.value * kl_BR
-            if "critic" in self.groups:
-                out.update(self.groups["critic"].call_split("compute_values", batch))
             adv, returns = compute_advantages(a.advantage, rewards, mask, group_ids=batch["group"],
                                               values_BR=out.get("values_BR"), cfg=a)
             out["token_rewards_BR"], out["advantages_BR"] = rewards, adv
@@ -357,6 +378,10 @@ class Session(WhatIf):
                       **compute.throughput(out, "prepare", seconds)})
             out.info["metrics"] = m
             return out
+
+    def _submit(self, role: str, method: str, batch: Batch) -> tuple:
+        group = self.groups[role]
+        return group, group.submit_shards(method, batch)
 
     def _reuses_logprobs(self) -> bool:
         """algo.reuse_logprobs, where it is exact: the update's first forward sees the weights that sampled."""
@@ -674,18 +699,38 @@ class Session(WhatIf):
     def __repr__(self) -> str:
         lines = [f"Session(state={self.state}, step={self.step_count}, algo={self.cfg.algo.advantage}, "
                  f"backend={self.cfg.cluster.backend}, run_dir={self.run_dir})"]
-        lines += [f"  {r:<10} rank {k}  node={n} pid={p} device={d} rss_gb={m}"
-                  for r, k, n, p, d, m in self.workers.table()]
+        lines += [f"  {r:<12} rank {k}  pool={pool} node={n} pid={p} device={d} rss_gb={m}"
+                  for r, k, pool, n, p, d, m in self.workers.table()]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
         from html import escape
         rows = "".join("<tr>" + "".join(f"<td>{escape(str(x))}</td>" for x in row) + "</tr>"
                        for row in self.workers.table())
+        head = "".join(f"<th>{h}</th>" for h in ("role", "rank", "pool", "node", "pid", "device", "RSS GB"))
         return (f"<div><b>rlbench-nb Session</b> — state <b>{self.state}</b>, step {self.step_count}, "
                 f"algo {self.cfg.algo.advantage}, backend {self.cfg.cluster.backend}<br>"
-                f"<code>{escape(str(self.run_dir))}</code><table style='font-size:12px'><tr><th>role</th>"
-                f"<th>rank</th><th>node</th><th>pid</th><th>device</th><th>RSS GB</th></tr>{rows}</table></div>")
+                f"<code>{escape(str(self.run_dir))}</code><table style='font-size:12px'><tr>{head}</tr>{rows}"
+                "</table></div>")
+
+
+def _finish_all(work: Callable, *started: tuple | None):
+    """`work()`, then wait for every started (group, pending) call, even when `work` or another call failed
+    (so no worker is left busy with a call nobody collects); the first failure is raised after that."""
+    failure = None
+    try:
+        result = work()
+    except BaseException as e:
+        failure = e
+    for s in started:
+        if s is not None and failure is not None:
+            try:
+                s[0].collect(s[1])
+            except BaseException:
+                pass
+    if failure is not None:
+        raise failure
+    return result
 
 
 def _minibatch_major(batch: Batch, n_mini: int, world: int) -> Batch:

@@ -15,6 +15,8 @@ from .conftest import REPO
                                                        "ray-colocated"], marks=pytest.mark.slow),
     pytest.param("benchmarks/async_overlap.py", ["--steps", "1", "data.batch_size=4", "rollout.n=2", "task.num_test=8",
                                                   "cluster.train_ranks=1"], marks=pytest.mark.slow),
+    pytest.param("benchmarks/score_overlap.py", ["--reps", "1", "data.batch_size=4", "rollout.n=2"],
+                 marks=pytest.mark.slow),
     ("benchmarks/logprob_memory.py", ["--tokens", "64", "--vocab", "1000", "--hidden", "32"]),
     ("benchmarks/rollout_throughput.py", ["--sizes", "tiny", "--engines", "plain", "hf", "--repeats", "1"]),
     ("benchmarks/gpu_smoke.py", ["--tiny", "--steps", "1"]),

@@ -49,7 +49,8 @@ def ray_head():
 def test_cluster_notebook_attaches_and_overlaps(ray_head, tmp_path):
     text = execute("03_cluster.ipynb", f"address = {ray_head!r}\nsteps = 3\nrun_dir = {str(tmp_path)!r}\n"
                                        f"overrides = {[*SMALL, 'run.tensorboard=false']!r}")
-    assert "policy     rank 1" in text  # two FSDP ranks
+    assert re.search(r"policy       rank 1  pool=trainers node=[\d.]+/\w{6} ", text)  # two FSDP ranks, in their pool
+    assert re.search(r"reward       rank 0  pool=light node=[\d.]+/\w{6} pid=\d+ device=cpu", text)
     m = re.search(r"(\d+) steps on (\d+) policy ranks; rollout overlapped (\d+)%", text)
     assert m and m.group(1) == "3" and m.group(2) == "2" and int(m.group(3)) > 0
 

@@ -64,6 +64,26 @@ def test_preparing_twice_moves_the_adaptive_kl_controller_once_per_step(small_cf
         assert sess.kl_ctrl.value == pytest.approx(value * (1 + 0.2 * len(batch) / 10))
 
 
+def test_the_critics_values_come_with_the_score_and_are_reused_only_under_the_same_weights(small_cfg):
+    """score starts the critic's value pass beside the rewards (under Ray on its own workers, at the same
+    time); prepare reuses those values while the weights are unchanged, and computes them anew after an update."""
+    with rl.Session(small_cfg("run.tensorboard=false", "algo.advantage=gae")) as sess:
+        critic = sess.groups["critic"]
+
+        def passes():
+            return sum(r.method == "compute_values" for r in critic.records)
+        scored = sess.score(sess.rollout())
+        assert "values_BR" in scored and passes() == 1
+        prepared = sess.prepare(scored)
+        assert passes() == 1 and torch.equal(prepared["values_BR"], scored["values_BR"])
+        assert torch.equal(sess.score(prepared)["values_BR"], scored["values_BR"]) and passes() == 1  # re-scored
+        sess.update(prepared)
+        again = sess.prepare(scored)  # the critic moved: its old values are not this critic's
+        assert passes() == 2 and not torch.equal(again["values_BR"], scored["values_BR"])
+        fresh = critic.call_split("compute_values", scored)["values_BR"]
+        assert torch.equal(again["values_BR"], fresh)
+
+
 def test_batch_table_shows_reward_length_and_advantage(small_cfg):
     with rl.Session(small_cfg("run.tensorboard=false")) as sess:
         batch = sess.prepare(sess.score(sess.rollout()))

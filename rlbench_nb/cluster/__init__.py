@@ -30,6 +30,16 @@ def world_size_for(cfg, role: str) -> int:
     return cfg.cluster.rollout_ranks if role == "rollout" else 1
 
 
+def check_placement(cfg, roles: list[str]) -> None:
+    """Ray: attach, then refuse a layout the cluster cannot hold (pools.check_fits) before any actor starts."""
+    if cfg.cluster.backend != "ray":
+        return
+    from .pools import check_fits, ray_nodes
+    from .ray_backend import attach
+    attach(cfg)
+    check_fits(cfg, {r: 0 if host_role(cfg, r) else world_size_for(cfg, r) for r in roles}, ray_nodes())
+
+
 def make_group(cfg, role: str, worker_cls, *args, name: str = "run", host=None):
     """N ranks of `worker_cls(*args)`; under Ray the actors are named '<name>/<role>/<rank>', or the
     ranks live in `host`'s actors (another role's group)."""

@@ -18,6 +18,7 @@ from ..data.batch import Batch
 from ..data.packed import PackedTensors
 from .base import CallRecord, Pending
 from .errors import OOM_KNOBS, ClusterError, WorkerDiedError, WorkerError, is_out_of_memory
+from .pools import placement
 from .transport import SharedMemoryWriter, SharedTensors, pack
 
 _STARTED_BY_US = False
@@ -116,11 +117,15 @@ class _WorkerActor:
     """Hosts one rank of one role, and of any role colocated with it (`rollout.colocate`: the rollout
     engine in the policy's processes). Plain class; `ray.remote` is applied in RayWorkerGroup."""
 
-    def __init__(self, role: str, rank: int, world: int, seed: int, num_threads: int, deterministic: bool):
+    def __init__(self, role: str, rank: int, world: int, seed: int, num_threads: int, deterministic: bool,
+                 pool: str = "default", device: str = "auto"):
         import torch
         import transformers
 
         from ..determinism import configure_process
+        from ..roles.common import prefer_device
+        prefer_device(device, pool)  # before any worker picks its device
+        self.pool = pool
         transformers.logging.disable_progress_bar()  # one bar per actor per load is noise in a notebook
         self.role, self.rank, self.world = role, rank, world
         configure_process(num_threads, deterministic)
@@ -169,8 +174,10 @@ class _WorkerActor:
             worker.close()
 
     def info(self, role: str | None = None) -> dict:
+        """Where this rank runs. Several Ray nodes can share one machine (one IP): `node_id` tells them apart."""
         import ray
-        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "pool": self.pool,
+                "node_id": ray.get_runtime_context().get_node_id(),
                 "device": str(getattr(self.workers.get(role or self.role), "device", "cpu"))}
 
     def call(self, role: str, method: str, *args, **kwargs):
@@ -234,26 +241,28 @@ class RayWorkerGroup:
             infos = self._get([a.setup.remote(None, worker_cls, args, {}, role) for a in self.actors], "__init__")
             self.info = dict(enumerate(infos))
             return
-        bundle = {"CPU": c.cpus_per_worker}
-        if c.gpus_per_worker:
-            bundle["GPU"] = c.gpus_per_worker
+        where = placement(cfg, role)  # pools.py: the role's pool, what one worker reserves, node labels
+        bundle = where.bundle
         self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK",
-                                  name=f"{name}/{role}", lifetime="detached" if c.detached else None)
+                                  name=f"{name}/{role}", lifetime="detached" if c.detached else None,
+                                  bundle_label_selector=[dict(where.labels)] * world_size if where.labels else None)
         if not self.pg.wait(c.placement_timeout_s):
             ray.util.remove_placement_group(self.pg)
             raise ClusterError(
-                f"role '{role}' asked for {world_size} x {bundle} but the cluster could not place it within "
-                f"{c.placement_timeout_s:.0f}s; it has {ray.cluster_resources()} in all and "
+                f"role '{role}' (pool '{where.pool}') asked for {world_size} x {bundle} but the cluster could not "
+                f"place it within {c.placement_timeout_s:.0f}s; it has {ray.cluster_resources()} in all and "
                 f"{ray.available_resources()} free — lower cluster.train_ranks / cluster.rollout_ranks / "
-                "cluster.cpus_per_worker or add nodes")
+                "the per-worker share (cluster.cpus_per_worker, cluster.pools) or add nodes")
         actor_cls = ray.remote(_WorkerActor)
         lifetime = "detached" if c.detached else None
+        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
         self.actors = [
             actor_cls.options(
                 name=f"{name}/{role}/{rank}", namespace=c.namespace, lifetime=lifetime,
-                num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker, max_concurrency=1,
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=custom or None, max_concurrency=1,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
-            ).remote(role, rank, world_size, cfg.run.seed, c.num_threads, cfg.run.deterministic)
+            ).remote(role, rank, world_size, cfg.run.seed, c.num_threads, cfg.run.deterministic, where.pool,
+                     where.device)
             for rank in range(world_size)]
         master = self._get([self.actors[0].address.remote()], "address")[0] if world_size > 1 else None
         infos = self._get([a.setup.remote(master, worker_cls, args, {}) for a in self.actors], "__init__")
@@ -362,13 +371,15 @@ class RayWorkerGroup:
         references to pass to another role's call at once (Ray starts that call when the data is ready),
         `collect(pending)` waits for the ranks' status. Weights go actor to actor, with no wait in between;
         through /dev/shm when every rank of `to` is on this group's rank-0 node."""
-        nodes = {info.get("node") for info in (to.info.values() if to is not None else [])}
+        # by node id, not IP: several Ray nodes on one machine share an IP but not a /dev/shm they both watch
+        nodes = {info.get("node_id") for info in (to.info.values() if to is not None else [])}
         if to is not None and to.actors == self.actors and self.world_size == 1:
             where = "here"  # the receiver lives in this process: hand the tensors over in memory
-        elif to is not None and nodes == {self.info.get(0, {}).get("node")}:
+        elif to is not None and nodes == {self.info.get(0, {}).get("node_id")} != {None}:
             where = "shm"
         else:
             where = "store"
+        self.last_transport = where  # what the latest push went by (sess.groups["policy"].last_transport)
         calls = [a.call_stored.options(num_returns=2).remote(self.role, method, *args, where=where, **kwargs)
                  for a in self.actors]
         return Pending(method, [status for _, status in calls], time.perf_counter(), [result for result, _ in calls])

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from ..errors import UsageError
-from . import host_role, make_group, reattach_group
+from . import check_placement, host_role, make_group, reattach_group
 from .base import WorkerGroup
 from .errors import WeightSyncError
 
@@ -25,6 +25,8 @@ class Workers:
         find the live actors of a detached run named `name` instead of starting new ones."""
         self.cfg, self.specs, self.name = cfg, dict(specs), name
         self.groups: dict[str, WorkerGroup] = {}
+        if not reattach:
+            check_placement(cfg, list(self.specs))  # a layout the cluster cannot hold: one line, nothing started
         try:
             for role, (cls, args) in self.specs.items():
                 self.groups[role] = (reattach_group(cfg, role, name, self.host_of(role)) if reattach else
@@ -108,12 +110,14 @@ class Workers:
 
     # ---- looking at it ----------------------------------------------------------------------------
     def table(self) -> list[tuple]:
-        """(role, rank, node, pid, device, RSS GB) per rank, from what the last calls reported."""
+        """(role, rank, pool, node, pid, device, RSS GB) per rank, from what the last calls reported. A node is
+        its IP, and the start of its Ray node id when it has one (several nodes can share a machine)."""
         out = []
         for role, g in self.groups.items():
             for rank in range(g.world_size):
                 info, mem = g.info.get(rank, {}), g.memory.get(rank, {})
                 rss = mem.get("rss_gb")
-                out.append((role, rank, info.get("node", "?"), info.get("pid", "?"), info.get("device", "?"),
+                node = info.get("node", "?") + (f"/{info['node_id'][:6]}" if info.get("node_id") else "")
+                out.append((role, rank, info.get("pool", "-"), node, info.get("pid", "?"), info.get("device", "?"),
                             "-" if rss is None else f"{rss:.2f}"))
         return out

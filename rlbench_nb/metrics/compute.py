@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
+import torch
+
 from ..algos import masked_mean
 from ..data.batch import Batch
 
@@ -33,8 +35,29 @@ def reward_metrics(batch: Batch) -> dict:
     return {"reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
             "reward/min": scores.min().item(), "reward/max": scores.max().item(),
             "reward/errors": sum(1 for e in batch["reward_error"] if e),
-            **({"reward/model": batch["rm_scores_B"].mean().item(), "reward/rule": batch["rule_scores_B"].mean().item()}
-               if "rm_scores_B" in batch else {})}
+            **(model_vs_rule(batch) if "rm_scores_B" in batch else {})}
+
+
+def model_vs_rule(batch: Batch) -> dict:
+    """The reward model's and the rule's means, and `reward/model_disagree`: of the pairs of samples of one
+    prompt that the rule tells apart, the share the model orders the other way (a tie counts half). Pairs,
+    not a threshold: a reward model's scale is its own. Absent when no pair is told apart."""
+    rm, rule = batch["rm_scores_B"], batch["rule_scores_B"]
+    out = {"reward/model": rm.mean().item(), "reward/rule": rule.mean().item()}
+    groups: dict = {}
+    for i, g in enumerate(batch["group"]):
+        groups.setdefault(g, []).append(i)
+    wrong = pairs = 0.0
+    for rows in groups.values():
+        idx = torch.tensor(rows)
+        apart = torch.sign(rule[idx][:, None] - rule[idx][None, :])  # +1 where the rule prefers i over j
+        agree = torch.sign(rm[idx][:, None] - rm[idx][None, :]) * apart
+        told = apart > 0
+        pairs += told.sum().item()
+        wrong += ((agree[told] < 0).sum() + 0.5 * (agree[told] == 0).sum()).item()
+    if pairs:
+        out["reward/model_disagree"] = wrong / pairs
+    return out
 
 
 def advantage_metrics(batch: Batch) -> dict:

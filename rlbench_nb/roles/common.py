@@ -8,8 +8,24 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+_PREFERRED = ("auto", "default")  # (device, pool) of this process's workers: cluster.pools.<pool>.device
+
+
+def prefer_device(device: str, pool: str) -> None:
+    """What `pick_device` gives in this process (a Ray actor sets it from its pool before any worker starts)."""
+    global _PREFERRED
+    _PREFERRED = (device, pool)
+
+
 def pick_device() -> torch.device:
-    """CUDA when present, else CPU; no code path assumes either."""
+    """CUDA when present, else CPU, unless the worker's pool says which; no code path assumes either."""
+    device, pool = _PREFERRED
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"pool '{pool}' asks for device 'cuda' but this process sees no GPU "
+                           "(CUDA_VISIBLE_DEVICES is empty, or torch is a CPU build): check the node's GPUs and "
+                           f"cluster.pools.{pool}.gpus_per_worker, or set its device to cpu / auto")
+    if device == "cpu":
+        return torch.device("cpu")
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 

@@ -35,12 +35,14 @@ def check_reward_model(path: str | None) -> None:
 class RewardModelWorker:
     role = "reward_model"
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, path: str | None = None):
+        """`path`: the model's folder (default reward.model.path; the session resolves 'task' to the built-in one)."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
         self.cfg = cfg
         rm = cfg.reward.model
-        check_reward_model(rm.path)
-        path = Path(rm.path)
+        path = path or rm.path
+        check_reward_model(path)
+        path = Path(path)
         self.device = pick_device()
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=DTYPES[rm.dtype])

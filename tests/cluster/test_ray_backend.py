@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rlbench_nb as rl
-from rlbench_nb.cluster import WorkerDiedError, WorkerError
+from rlbench_nb.cluster import ClusterError, WorkerDiedError, WorkerError
 from rlbench_nb.metrics import read_jsonl
 
 from ..conftest import assert_rollout_holds_policy_weights
@@ -210,10 +210,24 @@ def test_colocated_rollout_lives_in_the_policy_process(ray_cluster, small_cfg):
 
 
 def test_impossible_resources_say_what_is_missing(ray_cluster, small_cfg):
-    with pytest.raises(rl.cluster.ray_backend.ClusterError,
-                       match=r"role 'policy' asked for 3 x \{'CPU': 3.0\}.*lower cluster.train_ranks"):
-        rl.Session(small_cfg(*RAY, "cluster.train_ranks=3", "cluster.cpus_per_worker=3",
+    # more than the cluster has: refused before any actor starts
+    with pytest.raises(ClusterError,
+                       match=r"pool 'default' \(policy x3, rollout x1, reward x1\) needs 12.5 CPU in all, but the "
+                             r"nodes it may use have 4 — lower its ranks"):
+        rl.Session(small_cfg(*RAY, "cluster.train_ranks=3", "cluster.cpus_per_worker=2.5",
                              "cluster.placement_timeout_s=3", "data.batch_size=6"))
+    # what the cluster has, but held by someone else: the placement times out, saying what is free
+    from ray.util.placement_group import placement_group, remove_placement_group
+    other = placement_group([{"CPU": 3.5}])
+    assert other.wait(30)
+    try:
+        with pytest.raises(ClusterError,
+                           match=r"role 'policy' \(pool 'default'\) asked for 2 x \{'CPU': 0.5\}.*within 3s.*"
+                                 r"lower cluster.train_ranks"):
+            rl.Session(small_cfg(*RAY, "cluster.train_ranks=2", "cluster.cpus_per_worker=0.5",
+                                 "cluster.placement_timeout_s=3"))
+    finally:
+        remove_placement_group(other)
 
 
 def test_async_run_overlaps_rollout_with_training(ray_cluster, small_cfg):

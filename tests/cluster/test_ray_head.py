@@ -137,7 +137,7 @@ def test_embedded_cluster_leaves_no_process_behind(tmp_path):
     out = subprocess.run([sys.executable, "-c", script, *SMALL, f"run.dir={tmp_path}", "cluster.backend=ray",
                           "run.tensorboard=false"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "policy     rank 0  node=" in out.stdout
+    assert "policy       rank 0  pool=default node=" in out.stdout
     assert not wait_no_ray_processes(), "close() must stop the embedded cluster it started"
 
 

@@ -66,3 +66,44 @@ def test_a_model_that_is_not_a_reward_model_is_refused(tmp_path, small_cfg):
         rl.Session(small_cfg(f"reward.model.path={two}", "run.tensorboard=false"))
     with pytest.raises(rl.ConfigError, match="is not a local Hugging Face model folder"):
         rl.Session(small_cfg(f"reward.model.path={tmp_path / 'missing'}", "run.tensorboard=false"))
+
+
+def test_disagreement_counts_pairs_the_rule_tells_apart_that_the_model_orders_the_other_way():
+    from rlbench_nb.metrics.compute import model_vs_rule
+    batch = Batch({"rm_scores_B": torch.tensor([2.0, 1.0, 0.0, 0.0, 5.0, 5.0, -3.0, 0.5, -1.0]),
+                   "rule_scores_B": torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.5])},
+                  {"group": ["a", "a", "b", "b", "c", "c", "d", "d", "d"]})
+    # a: agree. b: a model tie on a pair the rule tells apart, half. c: the rule ties, no pair.
+    # d: rule 1 > 0.5 > 0, model -3 < -1 < 0.5: all three pairs the other way. 1 + 1 + 3 = 5 pairs, 3.5 wrong
+    m = model_vs_rule(batch)
+    assert m["reward/model_disagree"] == pytest.approx(3.5 / 5)
+    assert m["reward/model"] == pytest.approx(sum([2, 1, 0, 0, 5, 5, -3, 0.5, -1]) / 9)
+    same = Batch({"rm_scores_B": torch.tensor([1.0, 2.0]), "rule_scores_B": torch.tensor([1.0, 1.0])},
+                 {"group": ["a", "a"]})
+    assert "reward/model_disagree" not in model_vs_rule(same)  # nothing told apart: no share to give
+
+
+@pytest.mark.slow  # ~1 min: a warm start and the reward model's sampling and training, on a small task
+def test_the_builtin_reward_model_learns_the_verifiers_ranking_and_ppo_runs_on_it_alone(small_cfg):
+    import json
+
+    from rlbench_nb.data.tasks import load_task
+    cfg = small_cfg("reward.model.path=task", "reward.rule_weight=0", "algo.advantage=gae", "task.num_train=300")
+    rm_dir = load_task(cfg).reward_model_dir
+    report = json.loads((rm_dir / "rm.json").read_text())
+    assert report["samples"] == 270 * 8 and report["probe_samples"] == 30 * 8  # 10% of the prompts held back
+    # it learned to rank the training prompts' right answers above their wrong ones (0.5 is chance)
+    assert report["train_pairwise"] > 0.6, report
+    stamp = (rm_dir / "model.safetensors").stat().st_mtime_ns
+    with rl.Session(cfg) as sess:  # the cached model, not a second build
+        assert (rm_dir / "model.safetensors").stat().st_mtime_ns == stamp
+        rows = [sess.step() for _ in range(2)]
+    for r in rows:  # the reward is the model's alone; the verifier is still run, logged and compared
+        assert r["reward/mean"] == pytest.approx(r["reward/model"], abs=1e-6) and 0 <= r["reward/rule"] <= 1
+        assert 0 <= r.get("reward/model_disagree", 0.0) <= 1
+
+
+def test_the_builtin_reward_model_needs_the_builtin_policy(small_cfg, tmp_path):
+    with pytest.raises(rl.ConfigError, match="reward.model.path=task is trained on the built-in warm start's "
+                                             "samples, not on model.path="):
+        rl.Session(small_cfg("reward.model.path=task", f"model.path={tmp_path}"))

@@ -5,7 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...config import Config
+from ...config import Config, ConfigError
 
 
 @dataclass
@@ -15,6 +15,7 @@ class Task:
     train_rows: list[dict]
     test_rows: list[dict]
     verifier: Callable[..., float]
+    reward_model_dir: Path | None = None  # reward.model.path: its folder ('task': the built-in one, built here)
 
     @property
     def max_positions(self) -> int | None:
@@ -29,4 +30,11 @@ def load_task(cfg: Config) -> Task:
 
     train, test = arithmetic.make_split(cfg.task)
     model_dir = Path(cfg.model.path) if cfg.model.path else warm_started_model_dir(cfg.task, cfg.model, train)
-    return Task(cfg.task.name, model_dir, train, test, arithmetic.verify)
+    rm = cfg.reward.model.path
+    if rm == "task":
+        from .reward_model import task_reward_model_dir
+        if cfg.model.path:
+            raise ConfigError("reward.model.path=task is trained on the built-in warm start's samples, not on "
+                              f"model.path={cfg.model.path}'s: give your own reward model's folder")
+        rm = task_reward_model_dir(cfg.task, cfg.model, model_dir, train, arithmetic.verify)
+    return Task(cfg.task.name, model_dir, train, test, arithmetic.verify, Path(rm) if rm else None)
