@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -78,10 +79,16 @@ class SessionGuard:
     def __init__(self):
         self.state = "starting"
         self.owner: int | None = None       # the background run's thread; phases from others are refused
-        # bumped by every phase that may change the workers' weights (update, load, restore, restart): what was
-        # computed from the weights (the critic's values) is reused only within the epoch it was computed in
-        self.epoch = 0
+        # a new one at every phase that may change the workers' weights (update, load, restore, restart) and at
+        # a branch's return to the main line: what was computed from the weights (the critic's values) is reused
+        # only within the epoch it was computed in. Unique across sessions and processes: a batch carried to
+        # another session never matches its epoch.
+        self.epoch = ""
+        self.weights_changed()
         self._lock = threading.RLock()
+
+    def weights_changed(self) -> None:
+        self.epoch = uuid.uuid4().hex
 
     @contextmanager
     def phase(self, what: str, changes_state: bool = False, repairs: bool = False):
@@ -101,7 +108,7 @@ class SessionGuard:
                                     "sess.stop() it (or sess.pause()) and wait for it to end, then try again")
         with self._lock, deferred_interrupts(what):
             if changes_state:
-                self.epoch += 1
+                self.weights_changed()
             try:
                 yield
             except Abandoned:

@@ -281,17 +281,19 @@ class Session(WhatIf):
 
     def score(self, batch: Batch) -> Batch:
         """Rewards: `scores_B` and per-sample `reward_error` (a failing reward costs its sample, not the
-        step). Re-scoring a prepared batch drops its advantages: prepare it again."""
+        step). With a critic, also its values (`values_BR`), computed at the same time on its own workers and
+        reused by `prepare` while the weights are unchanged. Re-scoring a prepared batch drops its advantages:
+        prepare it again."""
         with self._phase("score"):
             m = dict(batch.info.get("metrics", {}))
             with compute.timed(m, "time/score_s"):
                 # the critic's value pass beside the rewards, on its own workers (the seed's PPO: critic and
                 # reward model score in parallel); prepare reuses the values while the weights are the same
-                values = self._start_values(batch)
-                scored = _finish_all(lambda: self._rewards(reward_inputs(batch)), values)
+                scored, (values,) = _finish_all(lambda: self._rewards(reward_inputs(batch)),
+                                                self._start_values(batch))
             out = batch.replace(scored)
-            if values:
-                out["values_BR"] = Batch.cat(values[0].collect(values[1]))["values_BR"]
+            if values is not None:
+                out["values_BR"] = Batch.cat(values)["values_BR"]
                 out.info["values_epoch"] = self.guard.epoch
             if "scores_B" in batch:  # re-scoring: the earlier reward stays beside the new one
                 out["scores_before_B"] = batch["scores_B"]
@@ -308,8 +310,8 @@ class Session(WhatIf):
     def _start_values(self, batch: Batch) -> tuple | None:
         """(critic group, pending compute_values) when the session has a critic and `batch` lacks values
         from the current weights; else None."""
-        if "critic" not in self.groups or self._has_current_values(batch):
-            return None
+        if "critic" not in self.groups or self._has_current_values(batch) or "response_mask_BR" not in batch:
+            return None  # (a batch without tokens: rewards only, the values come in prepare)
         critic = self.groups["critic"]
         return critic, critic.submit_shards("compute_values", batch)
 
@@ -322,8 +324,8 @@ class Session(WhatIf):
         if "reward_model" not in self.groups:
             return self.groups["reward"].call_split("score", inputs)
         model_call = (self.groups["reward_model"], self.groups["reward_model"].submit_shards("score", inputs))
-        scored = _finish_all(lambda: self.groups["reward"].call_split("score", inputs), model_call)
-        model = Batch.cat(model_call[0].collect(model_call[1]))
+        scored, (model,) = _finish_all(lambda: self.groups["reward"].call_split("score", inputs), model_call)
+        model = Batch.cat(model)
         w = self.cfg.reward
         scored["rule_scores_B"], scored["rm_scores_B"] = scored["scores_B"], model["rm_scores_B"]
         scored["scores_B"] = w.rule_weight * scored["scores_B"] + w.model.weight * model["rm_scores_B"]
@@ -349,7 +351,7 @@ class Session(WhatIf):
                                       else self._submit("policy", "reference_logprobs", batch))
             if "critic" in self.groups and not self._has_current_values(batch):
                 calls["critic"] = self._submit("critic", "compute_values", batch)
-            for done in _finish_all(lambda: [g.collect(p) for g, p in calls.values()], *calls.values()):
+            for done in _finish_all(lambda: None, *calls.values())[1]:
                 out.update(Batch.cat(done))
             mask = batch["response_mask_BR"].float()
             if "old_logprobs_BR" in out and "rollout_logprobs_BR" in batch and not batch.info.get("off_policy"):
@@ -714,23 +716,29 @@ class Session(WhatIf):
                 "</table></div>")
 
 
-def _finish_all(work: Callable, *started: tuple | None):
-    """`work()`, then wait for every started (group, pending) call, even when `work` or another call failed
-    (so no worker is left busy with a call nobody collects); the first failure is raised after that."""
-    failure = None
+def _finish_all(work: Callable, *started: tuple | None) -> tuple:
+    """`work()`, then each started (group, pending) call collected once: (work's result, [each call's results,
+    None for a None]). After a failure the other calls are still waited for (no worker is left busy with a
+    call nobody collects) — but not those of a group that already failed (they queue behind its hung or broken
+    call), and none after an interrupt. The first failure is raised after that."""
+    failure, result, failed = None, None, set()
     try:
         result = work()
     except BaseException as e:
         failure = e
+    collected = []
     for s in started:
-        if s is not None and failure is not None:
+        out = None
+        if s is not None and not (failure is not None and (not isinstance(failure, Exception) or id(s[0]) in failed)):
             try:
-                s[0].collect(s[1])
-            except BaseException:
-                pass
+                out = s[0].collect(s[1])
+            except BaseException as e:
+                failed.add(id(s[0]))
+                failure = failure or e
+        collected.append(out)
     if failure is not None:
         raise failure
-    return result
+    return result, collected
 
 
 def _minibatch_major(batch: Batch, n_mini: int, world: int) -> Batch:

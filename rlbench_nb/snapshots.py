@@ -113,6 +113,7 @@ def restore(sess: Session, snap: Snapshot, history: bool = True) -> None:
         sess._use_config(snap.cfg)
     if snap.reward_fn is not sess._reward_fn:
         sess._use_reward(snap.reward_fn)
+    sess.guard.weights_changed()  # a branch's return comes here outside a restore phase
     for role in snap.holders:  # a restarted worker finds an on-disk snapshot by its folder
         sess.groups[role].call("return_to", snap.key, None if snap.path is None else str(snap.path))
     sess.groups["rollout"].call_each("set_state", [(s,) for s in snap.rollout_states])

@@ -82,6 +82,20 @@ def test_the_critics_values_come_with_the_score_and_are_reused_only_under_the_sa
         assert passes() == 2 and not torch.equal(again["values_BR"], scored["values_BR"])
         fresh = critic.call_split("compute_values", scored)["values_BR"]
         assert torch.equal(again["values_BR"], fresh)
+        # a branch moves the critic and comes back: values scored inside it are not the main line's
+        with sess.branch("moved") as b:
+            b.run(1, progress=False)
+            inside = sess.score(sess.rollout())
+        n = passes()
+        back = sess.prepare(inside)
+        assert passes() == n + 1
+        assert torch.equal(back["values_BR"], critic.call_split("compute_values", inside)["values_BR"])
+        # nor are another session's, whatever its history
+        with rl.Session(small_cfg("run.tensorboard=false", "algo.advantage=gae", "run.name=other")) as other:
+            other_scored = other.score(other.rollout())
+        n = passes()
+        sess.prepare(other_scored)
+        assert passes() == n + 1
 
 
 def test_batch_table_shows_reward_length_and_advantage(small_cfg):
@@ -203,3 +217,37 @@ def test_a_second_ctrl_c_abandons_the_update_and_the_session_asks_for_resync(sma
     sess.step()
     assert policy.adam_steps() == sess.step_count == 2
     sess.close()
+
+
+def test_calls_started_together_are_each_collected_once_and_the_first_failure_wins():
+    """session._finish_all, with stand-in groups: after a failure the other groups' calls are still waited for
+    (no worker left busy), but not a failed group's queued calls, and nothing after an interrupt."""
+    from rlbench_nb.session import _finish_all
+
+    class Group:
+        def __init__(self, fails=None):
+            self.fails, self.collected = fails, []
+
+        def collect(self, pending):
+            self.collected.append(pending)
+            if self.fails:
+                raise self.fails
+            return [pending]
+
+    ok, bad = Group(), Group(RuntimeError("critic hung"))
+    assert _finish_all(lambda: "rewards", (ok, "values"), None) == ("rewards", [["values"], None])
+    with pytest.raises(RuntimeError, match="critic hung"):
+        _finish_all(lambda: None, (bad, "first"), (bad, "queued behind it"), (ok, "other"))
+    assert bad.collected == ["first"] and ok.collected == ["values", "other"]
+
+    def rewards_fail():
+        raise ValueError("reward failed")
+    with pytest.raises(ValueError, match="reward failed"):
+        _finish_all(rewards_fail, (ok, "still collected"))
+    assert ok.collected[-1] == "still collected"
+
+    def interrupted():
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        _finish_all(interrupted, (ok, "not waited for"))
+    assert ok.collected[-1] == "still collected"

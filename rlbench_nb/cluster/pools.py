@@ -43,7 +43,8 @@ def ray_nodes() -> list[dict]:
 
 def check_fits(cfg, sizes: dict[str, int], nodes: list[dict]) -> None:
     """Refuse, one line naming the pool, a layout the cluster cannot hold whatever else runs on it: a worker
-    that no single node could host, or a pool whose workers need more than its nodes have in all.
+    that no single node could host, a pool whose workers need more than its nodes have in all or than they
+    hold whole workers of, or pools that together need more than the cluster has.
     `sizes`: role -> number of actors of its own (a role living in another's processes counts 0)."""
     by_pool: dict[str, list[tuple[str, int, Placement]]] = {}
     for role, n in sizes.items():
@@ -68,6 +69,28 @@ def check_fits(cfg, sizes: dict[str, int], nodes: list[dict]) -> None:
             if amount > have + 1e-9:
                 raise ClusterError(f"pool '{pool}' ({who}) needs {amount:g} {key} in all, but the nodes it may "
                                    f"use have {have:g} — lower its ranks or per-worker share ({where}), or add nodes")
+        workers, slots = sum(n for _, n, _ in members), sum(_slots(n, p.bundle) for n in eligible)
+        if workers > slots:  # a worker lives on one node: leftovers on several nodes do not add up to one
+            raise ClusterError(f"pool '{pool}' ({who}) needs {workers} workers of {_fmt(p.bundle)}, but its nodes "
+                               f"hold at most {slots} whole ones — lower its ranks or per-worker share ({where}), "
+                               "or add nodes")
+    demand: dict[str, dict[str, float]] = {}  # resource -> pool -> amount
+    for pool, members in by_pool.items():
+        for _, n, p in members:
+            for key, amount in p.bundle.items():
+                demand.setdefault(key, {}).setdefault(pool, 0.0)
+                demand[key][pool] += n * amount
+    for key, per_pool in demand.items():
+        have = sum(n["resources"].get(key, 0.0) for n in nodes)
+        if len(per_pool) > 1 and sum(per_pool.values()) > have + 1e-9:
+            parts = ", ".join(f"{pool} {amount:g}" for pool, amount in per_pool.items())
+            raise ClusterError(f"the pools need {sum(per_pool.values()):g} {key} in all ({parts}), but the cluster "
+                               f"has {have:g} — lower ranks or per-worker shares (cluster.pools), or add nodes")
+
+
+def _slots(node: dict, bundle: dict[str, float]) -> int:
+    """How many workers of `bundle` fit on `node` (1e-9: 0.7 / 0.1 is 6.999... in floating point)."""
+    return min(int(node["resources"].get(k, 0.0) / v + 1e-9) for k, v in bundle.items() if v > 0)
 
 
 def _fmt(resources: dict[str, float]) -> str:

@@ -44,6 +44,8 @@ def model_vs_rule(batch: Batch) -> dict:
     not a threshold: a reward model's scale is its own. Absent when no pair is told apart."""
     rm, rule = batch["rm_scores_B"], batch["rule_scores_B"]
     out = {"reward/model": rm.mean().item(), "reward/rule": rule.mean().item()}
+    if "group" not in batch:  # a batch made by hand: no prompts to pair samples within
+        return out
     groups: dict = {}
     for i, g in enumerate(batch["group"]):
         groups.setdefault(g, []).append(i)

@@ -91,3 +91,17 @@ def test_the_fit_check_names_the_pool_and_what_no_node_has():
         check_fits(cfg, sizes, [gpu_a, _node("10.0.0.2", CPU=8, GPU=1, node_b=1)])
     # a colocated rollout lives in the policy's processes: it reserves nothing of its own
     check_fits(cfg, {**sizes, "rollout": 0}, [gpu_a, _node("10.0.0.2", CPU=8, GPU=0, node_b=1)])
+
+
+def test_whole_workers_and_pools_sharing_nodes_are_counted():
+    cfg = _cfg("cluster.pools={a: {cpus_per_worker: 2}, b: {cpus_per_worker: 2}}",
+               "cluster.role_pools={policy: a, rollout: a, reward: b}", "cluster.train_ranks=2")
+    two_threes = [_node("10.0.0.1", CPU=3), _node("10.0.0.2", CPU=3)]
+    # pool a: three 2-CPU workers; 6 CPU in all, but each node holds one whole worker
+    with pytest.raises(ClusterError, match=r"pool 'a' \(policy x2, rollout x1\) needs 3 workers of \{CPU: 2\}, "
+                                           r"but its nodes hold at most 2 whole ones"):
+        check_fits(cfg, {"policy": 2, "rollout": 1, "reward": 1}, two_threes)
+    # each pool fits the 4-CPU node alone, the two together do not
+    with pytest.raises(ClusterError, match=r"the pools need 6 CPU in all \(a 4, b 2\), but the cluster has 4"):
+        check_fits(cfg, {"policy": 2, "rollout": 0, "reward": 1}, [_node("10.0.0.1", CPU=4)])
+    check_fits(cfg, {"policy": 2, "rollout": 1, "reward": 1}, [_node("10.0.0.1", CPU=4), _node("10.0.0.2", CPU=4)])

@@ -166,8 +166,12 @@ def task_reward_model_dir(task: TaskConfig, model: ModelConfig, policy_dir: Path
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    with torch.random.fork_rng():
-        report = build(policy_dir, train_rows, verifier, tmp)
+    try:
+        with torch.random.fork_rng():
+            report = build(policy_dir, train_rows, verifier, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         tmp.rename(target)  # atomic: a half-built cache entry is never used
     except OSError:  # another process finished first
