@@ -43,8 +43,8 @@ def ray_nodes() -> list[dict]:
 
 def check_fits(cfg, sizes: dict[str, int], nodes: list[dict]) -> None:
     """Refuse, one line naming the pool, a layout the cluster cannot hold whatever else runs on it: a worker
-    that no single node could host, a pool whose workers need more than its nodes have in all or than they
-    hold whole workers of, or pools that together need more than the cluster has.
+    that no single node could host, a pool with more workers than its nodes hold whole ones of, or pools that
+    together need more than the cluster has.
     `sizes`: role -> number of actors of its own (a role living in another's processes counts 0)."""
     by_pool: dict[str, list[tuple[str, int, Placement]]] = {}
     for role, n in sizes.items():
@@ -63,14 +63,8 @@ def check_fits(cfg, sizes: dict[str, int], nodes: list[dict]) -> None:
                 f"pool '{pool}' ({who}): one worker needs {_fmt(p.bundle)}{labels}, and no node of the cluster "
                 f"has that (nodes: {'; '.join(_node(n) for n in nodes) or 'none'}) — start a node that has it "
                 f"(`ray start --resources='{{...}}'` / `--labels`, `--num-gpus`) or change {where}")
-        need = {k: sum(n * pl.bundle.get(k, 0.0) for _, n, pl in members) for k in p.bundle}
-        for key, amount in need.items():
-            have = sum(n["resources"].get(key, 0.0) for n in eligible)
-            if amount > have + 1e-9:
-                raise ClusterError(f"pool '{pool}' ({who}) needs {amount:g} {key} in all, but the nodes it may "
-                                   f"use have {have:g} — lower its ranks or per-worker share ({where}), or add nodes")
         workers, slots = sum(n for _, n, _ in members), sum(_slots(n, p.bundle) for n in eligible)
-        if workers > slots:  # a worker lives on one node: leftovers on several nodes do not add up to one
+        if workers > slots:  # a worker lives on one node (leftovers do not add up): this covers "too little in all"
             raise ClusterError(f"pool '{pool}' ({who}) needs {workers} workers of {_fmt(p.bundle)}, but its nodes "
                                f"hold at most {slots} whole ones — lower its ranks or per-worker share ({where}), "
                                "or add nodes")

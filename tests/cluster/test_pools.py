@@ -86,8 +86,8 @@ def test_the_fit_check_names_the_pool_and_what_no_node_has():
     with pytest.raises(ClusterError, match=r"pool 'cpu' \(reference x2\): .* on a node labelled \{'zone': 'a'\}"):
         check_fits(cfg, sizes, [_node("10.0.0.1", CPU=8, GPU=2), gpu_b])
     # each worker fits somewhere, but all of the actor pool's do not
-    with pytest.raises(ClusterError, match=r"pool 'actor' \(policy x2, rollout x2\) needs 4 GPU in all, but the "
-                                           r"nodes it may use have 3 — lower its ranks"):
+    with pytest.raises(ClusterError, match=r"pool 'actor' \(policy x2, rollout x2\) needs 4 workers of "
+                                           r"\{CPU: 0.25, GPU: 1\}, but its nodes hold at most 3 whole ones — lower"):
         check_fits(cfg, sizes, [gpu_a, _node("10.0.0.2", CPU=8, GPU=1, node_b=1)])
     # a colocated rollout lives in the policy's processes: it reserves nothing of its own
     check_fits(cfg, {**sizes, "rollout": 0}, [gpu_a, _node("10.0.0.2", CPU=8, GPU=0, node_b=1)])

@@ -212,8 +212,8 @@ def test_colocated_rollout_lives_in_the_policy_process(ray_cluster, small_cfg):
 def test_impossible_resources_say_what_is_missing(ray_cluster, small_cfg):
     # more than the cluster has: refused before any actor starts
     with pytest.raises(ClusterError,
-                       match=r"pool 'default' \(policy x3, rollout x1, reward x1\) needs 12.5 CPU in all, but the "
-                             r"nodes it may use have 4 — lower its ranks"):
+                       match=r"pool 'default' \(policy x3, rollout x1, reward x1\) needs 5 workers of "
+                             r"\{CPU: 2.5\}, but its nodes hold at most 1 whole ones — lower its ranks"):
         rl.Session(small_cfg(*RAY, "cluster.train_ranks=3", "cluster.cpus_per_worker=2.5",
                              "cluster.placement_timeout_s=3", "data.batch_size=6"))
     # what the cluster has, but held by someone else: the placement times out, saying what is free
