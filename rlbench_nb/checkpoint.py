@@ -4,8 +4,11 @@
     RUN_DIR/checkpoints/<name>/
       config.yaml         the run's config
       controller.json     step, data position, KL controller, evals (the controller's own state)
-      policy/             model.safetensors (a from_pretrained-loadable directory) + trainer_state.pt
-      critic/             value_model.safetensors + trainer_state.pt (PPO)
+      policy/             weights: one rank, model.safetensors + config + tokenizer (a from_pretrained folder);
+                          sharded, each rank's shard-0000k-*.safetensors (roles/shards.py); LoRA, the peft adapter
+        optimizer/        the optimizer's tensors laid out as the weights are + param_groups.json
+        trainer_state.pt  RNG state (tensors only)
+      critic/             value_model.safetensors or each rank's shards, optimizer/ (PPO)
       rollout_state.pt    each rollout rank's sampling RNG
       MANIFEST.json       size and sha256 of every file above
       COMPLETE            written last: a folder without it is an interrupted save
@@ -14,8 +17,9 @@
 Saves are atomic (a temporary sibling folder renamed into place: the previous checkpoint stays loadable
 whatever happens mid-save; a failed save removes its temporary folder and says why — no space: how much
 is free). Loads verify the manifest first and name the file that does not match; from a run directory
-they fall back to the newest checkpoint that verifies, saying so. Nothing in a checkpoint is unpickled as
-code: tensors-only files are loaded with `weights_only=True`.
+they fall back to the newest checkpoint that verifies, saying so. Weights and optimizer state load onto any
+number of trainer ranks. Nothing in a checkpoint is unpickled as code: safetensors and JSON, and tensors-only
+files loaded with `weights_only=True`.
 """
 from __future__ import annotations
 
@@ -104,6 +108,29 @@ def load(path: str | Path, run_dir: str | Path | None = None, overrides=(), take
         sess.close()
         raise
     return sess
+
+
+def export_weights(path: str | Path, out: str | Path) -> Path:
+    """The policy of a checkpoint (or a run's latest) as a Hugging Face model folder in `out`: one whole
+    model.safetensors joined from however many ranks' shards, its config and tokenizer. A LoRA checkpoint's
+    policy/ is a peft adapter folder already: load it with PeftModel.from_pretrained."""
+    from safetensors.torch import save_file
+
+    from .roles.shards import whole_tensors
+    policy = resolve(Path(path)) / "policy"
+    out = Path(out)
+    if (policy / "adapter_config.json").exists():
+        raise CheckpointError(f"{policy} holds a LoRA adapter, a peft folder already: "
+                              "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), that folder)")
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} exists and is not empty: give a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in policy.iterdir():  # config, generation config, tokenizer
+        if f.is_file() and not f.name.endswith((".safetensors", ".pt")):
+            shutil.copy2(f, out / f.name)
+    save_file({k: v.contiguous() for k, v in whole_tensors(policy).items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
 
 
 # ---- files --------------------------------------------------------------------------------------

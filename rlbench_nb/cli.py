@@ -6,6 +6,7 @@
     rlbench-nb train --help                                  # every config field, its default and meaning
     rlbench-nb export notebooks/01_quickstart.ipynb -o train.py   # the notebook as a batch script
     rlbench-nb report runs/arith-grpo -o report.html         # a run as one HTML file (curves, samples, config)
+    rlbench-nb weights runs/arith-grpo -o my-model           # a checkpoint's policy as a from_pretrained folder
     rlbench-nb kernel install [--ray-address HOST:PORT]      # the Jupyter kernel, extension loaded
     rlbench-nb data gsm8k Downloads/gsm8k -o data/gsm8k       # a published dataset -> prompt files (or: math)
 """
@@ -125,6 +126,18 @@ def report(argv: list[str]) -> int:
     return 0
 
 
+def weights(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="rlbench-nb weights", description="A checkpoint's policy as a Hugging Face model folder (whole "
+        "model.safetensors, config, tokenizer) that from_pretrained and vLLM load, however many ranks saved it.")
+    p.add_argument("checkpoint", help="a checkpoint folder, or a run directory (its latest checkpoint)")
+    p.add_argument("-o", "--output", required=True, help="folder to write (must not exist or be empty)")
+    args = p.parse_args(argv)
+    from .checkpoint import export_weights
+    print(f"wrote {export_weights(args.checkpoint, args.output)}")
+    return 0
+
+
 def kernel(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rlbench-nb kernel",
                                 description="Install the Jupyter kernel for this environment.")
@@ -166,7 +179,7 @@ def data(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    commands = {"train": train, "export": export, "report": report, "kernel": kernel, "data": data}
+    commands = {"train": train, "export": export, "report": report, "weights": weights, "kernel": kernel, "data": data}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         return 0 if not argv or argv[0] in ("-h", "--help") else 2

@@ -37,3 +37,16 @@ def test_train_then_resume(tmp_path):
     assert out.returncode == 0, out.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["steps_this_run"] == 2
+
+    # the latest checkpoint's policy as a model folder of its own: whole weights, config, tokenizer
+    out = cli("weights", str(run_dir), "-o", str(tmp_path / "model"))
+    assert out.returncode == 0, out.stderr
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"))
+    saved = load_file(str(run_dir / "checkpoints" / "step_4" / "policy" / "model.safetensors"))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "model"))("12+3=")["input_ids"]
+    out = cli("weights", str(run_dir), "-o", str(tmp_path / "model"))
+    assert out.returncode == 2 and "exists and is not empty" in out.stderr

@@ -6,10 +6,12 @@ from .conftest import REPO
 
 
 def test_shipped_configs_load():
-    for name in ("arith_grpo", "arith_ppo", "arith_rloo"):
+    for name in ("arith_grpo", "arith_ppo", "arith_rloo", "arith_ppo_rm"):
         cfg = Config.load(REPO / "configs" / f"{name}.yaml")
         assert cfg.run.name == name.replace("_", "-")
     assert Config.load(REPO / "configs/arith_ppo.yaml").uses_critic
+    rm = Config.load(REPO / "configs/arith_ppo_rm.yaml")  # the learned reward alone: the verifier only measures
+    assert rm.uses_critic and rm.reward.model.path == "task" and rm.reward.rule_weight == 0
     assert not Config.load(REPO / "configs/arith_grpo.yaml").uses_critic
 
 

@@ -41,6 +41,20 @@ def make_adamw(params, lr: float, betas, weight_decay: float, sharded: bool) -> 
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=None if sharded else True)
 
 
+TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
+                   "chat_template.*")
+
+
+def copy_tokenizer_files(src, dst) -> None:
+    """The tokenizer's files of model folder `src` into `dst`, so that `dst` loads with AutoTokenizer too."""
+    import shutil
+    from pathlib import Path
+    for pattern in TOKENIZER_FILES:
+        for f in Path(src).glob(pattern):
+            if f.is_file():
+                shutil.copy2(f, Path(dst) / f.name)
+
+
 def read_safetensors(path, device) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     return load_file(str(path), device=str(device))

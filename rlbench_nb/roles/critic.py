@@ -12,7 +12,8 @@ from ..config import Config
 from ..data.batch import Batch
 from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
-from .common import DTYPES, full_sequences, make_adamw, pick_device, read_safetensors, response_hidden_slice
+from . import shards
+from .common import DTYPES, full_sequences, make_adamw, pick_device, response_hidden_slice
 from .snapshots import SnapshotHolder
 from .trainer import adam_steps, optimizer_steps
 
@@ -86,23 +87,21 @@ class CriticWorker(SnapshotHolder):
         return loss, {"loss/value": loss.item(), "critic/vf_clip_frac": st["vf_clip_frac"] * share}
 
     def save(self, path: str) -> None:
-        """Every rank must be called (gathers when sharded); rank 0 writes."""
-        from safetensors.torch import save_file
-        state = dist_util.full_model_state(self.model, self.sharded)
-        optim = dist_util.full_optimizer_state(self.model, self.optimizer, self.sharded)
-        if dist_util.rank() == 0:
-            path = Path(path)
-            path.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in state.items()}, str(path / "value_model.safetensors"))
-            torch.save({"optimizer": optim}, path / "trainer_state.pt")
+        """Weights (value_model.safetensors on one rank) and optimizer state, each rank writing its own shards
+        (roles/shards.py). Every rank must be called."""
+        path = Path(path)
+        shards.save_tensors(path, shards.model_state(self.model), self.sharded, file_name="value_model.safetensors")
+        shards.save_optimizer(self.model, self.optimizer, path, self.sharded)
 
     def load(self, path: str) -> None:
+        """What `save` wrote, by any number of ranks (or, from before sharded saves, a full state)."""
         path = Path(path)
-        where = "cpu" if self.sharded else self.device
-        dist_util.load_full_model_state(self.model, read_safetensors(path / "value_model.safetensors", where),
-                                        self.sharded)
-        extra = load_tensors(path / "trainer_state.pt", map_location=where)
-        dist_util.load_full_optimizer_state(self.model, self.optimizer, extra["optimizer"], self.sharded)
+        shards.load_model(self.model, path)
+        if (path / "trainer_state.pt").exists():  # saved before sharded checkpoints
+            extra = load_tensors(path / "trainer_state.pt", map_location="cpu" if self.sharded else self.device)
+            dist_util.load_full_optimizer_state(self.model, self.optimizer, extra["optimizer"], self.sharded)
+        else:
+            shards.load_optimizer(self.model, self.optimizer, path)
 
     def memory(self) -> dict:
         return memory_snapshot()

@@ -16,7 +16,17 @@ from ..data.batch import Batch
 from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
 from . import lora as lora_util
-from .common import DTYPES, load_causal_lm, make_adamw, pick_device, read_safetensors, rng_state, set_rng_state
+from . import shards
+from .common import (
+    DTYPES,
+    copy_tokenizer_files,
+    load_causal_lm,
+    make_adamw,
+    pick_device,
+    read_safetensors,
+    rng_state,
+    set_rng_state,
+)
 from .scorer import TokenScorer
 from .snapshots import SnapshotHolder
 from .trainer import adam_steps, optimizer_steps
@@ -30,6 +40,7 @@ class ReferenceWorker:
 
     def __init__(self, cfg: Config, model_dir: str):
         self.cfg = cfg
+        self.model_dir = model_dir
         self.device = pick_device()
         compute = DTYPES[cfg.model.dtype]
         # a trainer keeps fp32 master weights and computes in model.dtype; a frozen model just holds model.dtype
@@ -162,34 +173,45 @@ class PolicyWorker(SnapshotHolder, ReferenceWorker):
         return {k: v.to(dtype) for k, v in state.items()}
 
     def save(self, path: str) -> None:
-        """Weights as safetensors (a loadable HF model dir; with LoRA the adapter alone, a peft adapter dir),
-        optimizer and RNG state as tensors-only files. Every rank must be called (gathers when sharded);
-        rank 0 writes."""
-        state = dist_util.full_model_state(self.model, self.sharded, trainable_only=bool(self.lora))
-        optim = dist_util.full_optimizer_state(self.model, self.optimizer, self.sharded)
-        if dist_util.rank() == 0:
-            path = Path(path)
-            path.mkdir(parents=True, exist_ok=True)
-            extra = {"optimizer": optim, "rng": rng_state()}
-            if self.lora:  # adapter_model.safetensors + adapter_config.json: PeftModel.from_pretrained loads it
+        """Weights, optimizer state and RNG state into `path`, each rank writing its own shards (roles/shards.py:
+        no rank gathers the model; any number of ranks loads them back). One rank writes a from_pretrained-
+        loadable model.safetensors; with LoRA the adapter alone, a peft adapter dir. Every rank must be called."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        extra = {"rng": rng_state()}
+        if self.lora:  # the adapters are small: gathered, adapter_model.safetensors + adapter_config.json
+            state = dist_util.full_model_state(self.model, self.sharded, trainable_only=True)
+            if dist_util.rank() == 0:
                 from safetensors.torch import save_file
                 save_file(lora_util.adapter_state(state), str(path / "adapter_model.safetensors"))
                 self.model.peft_config[lora_util.ADAPTER].save_pretrained(str(path))
-                extra["base_fingerprint"] = self.base_fingerprint
-            else:
-                self.model.save_pretrained(str(path), state_dict=state)  # config, generation config, safetensors
+            extra["base_fingerprint"] = self.base_fingerprint
+        else:  # with the tokenizer's files: a model folder of its own (sharded: `rlbench-nb weights` joins it)
+            if self.sharded:
+                shards.save_tensors(path, shards.model_state(self.model), sharded=True)
+            if dist_util.rank() == 0:
+                if self.sharded:
+                    self.model.config.save_pretrained(str(path))
+                else:
+                    self.model.save_pretrained(str(path))  # config, generation config, model.safetensors
+                copy_tokenizer_files(self.model_dir, path)
+        shards.save_optimizer(self.model, self.optimizer, path, self.sharded)
+        if dist_util.rank() == 0:
             torch.save(extra, path / "trainer_state.pt")
 
     def load(self, path: str) -> None:
+        """What `save` wrote, by this or any other number of ranks (a checkpoint from before sharded saves
+        keeps its full optimizer state, loadable onto the rank count it was saved with)."""
         path = Path(path)
-        where = "cpu" if self.sharded else self.device
-        extra = load_tensors(path / "trainer_state.pt", map_location=where)
+        extra = load_tensors(path / "trainer_state.pt", map_location="cpu")
         if self.lora:
             self._load_adapter(path, extra)
         else:
-            dist_util.load_full_model_state(self.model, read_safetensors(path / "model.safetensors", where),
-                                            self.sharded)
-        dist_util.load_full_optimizer_state(self.model, self.optimizer, extra["optimizer"], self.sharded)
+            shards.load_model(self.model, path)
+        if "optimizer" in extra:
+            dist_util.load_full_optimizer_state(self.model, self.optimizer, extra["optimizer"], self.sharded)
+        else:
+            shards.load_optimizer(self.model, self.optimizer, path)
         set_rng_state(extra["rng"])
 
     def _load_adapter(self, path: Path, extra: dict) -> None:

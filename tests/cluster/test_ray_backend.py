@@ -366,3 +366,48 @@ def test_reward_model_on_two_fsdp_ranks_scores_like_one_process(ray_cluster, sma
                                                                                           ("reward_model", 1)]
     finally:
         sess.close()
+
+
+@pytest.mark.slow  # ~1.5 min: three sessions, up to 3 FSDP2 ranks of two trainer roles
+def test_a_checkpoint_of_two_fsdp_ranks_resumes_on_three_and_on_one(ray_cluster, small_cfg, tmp_path):
+    """PPO (policy + critic) on 2 FSDP2 ranks saves each rank's own shards (no whole model file); the checkpoint
+    resumes on 3 ranks and on the local backend's one process with the same weights and optimizer state: the
+    next step is the one the 2-rank session took."""
+    ppo = ["algo.advantage=gae", "algo.kl_coef=0", "data.batch_size=6", "rollout.n=2"]  # 12 samples: 2 | 12, 3 | 12
+    sess = rl.Session(small_cfg(*RAY, *ppo, "cluster.train_ranks=2"))
+    sess.step()
+    sess.step()
+    path = sess.save("two")
+    for role, whole in (("policy", "model.safetensors"), ("critic", "value_model.safetensors")):
+        files = {f.name for f in (path / role).iterdir()}
+        assert not (path / role / whole).exists() and {f for f in files if f.startswith("shard-")} == {
+            "shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"}, files
+    saved = sess.groups["policy"].call("get_weights")[0]
+    from transformers import AutoModelForCausalLM
+
+    from rlbench_nb.checkpoint import export_weights
+    joined = AutoModelForCausalLM.from_pretrained(str(export_weights(path, tmp_path / "hf"))).state_dict()
+    assert all(torch.equal(joined[k], saved[k]) for k in saved)  # the two ranks' shards, joined
+    nxt = [sess.step(), sess.step()]  # the second step's numbers follow from the first's updates (Adam state)
+    after = sess.groups["policy"].call("get_weights")[0]
+    sess.close()
+    keys = ("reward/mean", "loss/policy", "entropy", "actor/grad_norm", "actor/clip_frac", "loss/value",
+            "critic/grad_norm")
+    for ranks, backend in ((3, "ray"), (1, "local")):
+        again = rl.Session.load(path, run_dir=tmp_path / f"on{ranks}",
+                                overrides=[f"cluster.train_ranks={ranks}", f"cluster.backend={backend}"])
+        try:
+            weights = again.groups["policy"].call("get_weights")[0]
+            assert weights.keys() == saved.keys() and all(torch.equal(weights[k], saved[k]) for k in saved)
+            assert again.groups["critic"].call("adam_steps")[0] == again.groups["policy"].call("adam_steps")[0] == 2
+            resumed = [again.step(), again.step()]
+            moved = again.groups["policy"].call("get_weights")[0]
+        finally:
+            again.close()
+        # the same steps on other ranks: summation order only (as test_two_fsdp_ranks_match_one_rank). Adam
+        # restarted from zero moments would take steps of another size: the second step's numbers and the
+        # weights after it would differ by far more
+        for a, b in zip(resumed, nxt):
+            assert {k: a[k] for k in keys} == pytest.approx({k: b[k] for k in keys}, rel=1e-3, abs=1e-6), ranks
+        for k in after:
+            assert (moved[k] - after[k]).norm() <= 0.02 * (after[k] - saved[k]).norm() + 1e-7, (ranks, k)

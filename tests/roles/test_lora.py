@@ -98,7 +98,9 @@ def test_lora_trains_adapters_only_against_the_base_as_reference(small_cfg, tmp_
 
     path = sess.save("adapter")
     files = {f.name for f in (path / "policy").iterdir()}
-    assert files == {"adapter_model.safetensors", "adapter_config.json", "trainer_state.pt"}
+    assert files == {"adapter_model.safetensors", "adapter_config.json", "trainer_state.pt", "optimizer"}
+    assert {f.name for f in (path / "policy" / "optimizer").iterdir()} == {"optimizer.safetensors",
+                                                                          "param_groups.json"}
     nxt = sess.step()
     sess.close()
     again = rl.Session.load(path, run_dir=tmp_path / "resumed")

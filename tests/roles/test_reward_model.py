@@ -83,6 +83,24 @@ def test_disagreement_counts_pairs_the_rule_tells_apart_that_the_model_orders_th
     assert "reward/model_disagree" not in model_vs_rule(same)  # nothing told apart: no share to give
 
 
+def test_near_misses_are_distinct_wrong_answers_one_edit_away():
+    """The reward model's hard negatives: what a policy that almost knows the sum writes (and what it finds
+    when it hunts for a reward model's blind spots)."""
+    import random
+
+    from rlbench_nb.data.tasks.reward_model import near_misses
+    rng = random.Random(0)
+    for answer in ("82", "7", "0", "100", "-12"):
+        got = near_misses(answer, rng, 1000)
+        assert len(got) == len(set(got)) and answer not in got and len(got) >= 15, (answer, got)
+        for wrong in got:
+            int(wrong)  # a number, without leading zeros
+            assert not wrong.lstrip("-").startswith("0") or wrong == "0", (answer, wrong)
+            assert abs(len(wrong.lstrip("-")) - len(answer.lstrip("-"))) <= 1, (answer, wrong)
+    assert {"81", "83", "72", "92", "28", "8", "2", "182", "832", "86"} <= set(near_misses("82", rng, 1000))
+    assert len(near_misses("82", rng, 6)) == 6
+
+
 @pytest.mark.slow  # ~1 min: a warm start and the reward model's sampling and training, on a small task
 def test_the_builtin_reward_model_learns_the_verifiers_ranking_and_ppo_runs_on_it_alone(small_cfg):
     import json
@@ -92,6 +110,7 @@ def test_the_builtin_reward_model_learns_the_verifiers_ranking_and_ppo_runs_on_i
     rm_dir = load_task(cfg).reward_model_dir
     report = json.loads((rm_dir / "rm.json").read_text())
     assert report["samples"] == 270 * 8 and report["probe_samples"] == 30 * 8  # 10% of the prompts held back
+    assert report["near_miss_texts"] == 270 * 7  # each training prompt's right answer and 6 answers one edit off
     # it learned to rank the training prompts' right answers above their wrong ones (0.5 is chance)
     assert report["train_pairwise"] > 0.6, report
     stamp = (rm_dir / "model.safetensors").stat().st_mtime_ns

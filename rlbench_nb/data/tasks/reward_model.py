@@ -4,19 +4,22 @@ with no download.
 A sequence classifier of the policy's architecture (one score per sequence, read at the last token). Its body
 starts from the warm start supervised further on the training prompts (to 0.95 greedy accuracy on them): a
 reward model starts from a model that knows the task better than the policy it judges, as RLHF's start from a
-strong SFT model. It is then trained on the verifier's 0/1 labels of the warm-started policy's own samples of
-the training prompts — Bradley-Terry on (right, wrong) answers to one prompt, plus BCE on single samples. It
-reads what the reward_model role feeds it: prompt + response text, in the task's tokenizer, padded on the
-right. Held-out prompts are never used for it.
+strong SFT model. It is then trained, Bradley-Terry on (right, wrong) answers to one prompt plus BCE on single
+answers, on two kinds of data: the verifier's 0/1 labels of the warm-started policy's own samples of the
+training prompts, and each training prompt's right answer against answers one edit away from it (`near_misses`:
+a digit changed, +-1, +-10, a digit dropped, added or swapped). It reads what the reward_model role feeds it:
+prompt + response text, in the task's tokenizer, padded on the right. Held-out prompts are never used for it.
+
+Why the near misses: trained on the policy's samples alone, the model ranked a held-out prompt's right answer
+above its wrong ones 63-80% of the time, and PPO on its score alone found the answers it over-scored ("49+38=77"
+scored 1.75) — held-out accuracy fell from 0.438 to 0.04-0.36 in 150 steps. The answers a policy finds that way
+are near misses; with them in the data the model ranks 92% of held-out pairs right, and PPO on its score alone
+(configs/arith_ppo_rm.yaml, 150 steps) raises held-out accuracy 0.438 -> 0.606 (seed 0) and -> 0.624 (seed 1).
+Measured on a 2-core Xeon (AVX-512); building takes ~4-8 minutes there.
 
 Cached beside the warm start, keyed by the same settings plus this recipe's version; rm.json records how well
-it ranks one prompt's right answers above its wrong ones (pairwise accuracy; 0.5 is chance), on training
-prompts and on 10% of them it did not train on. Measured at the defaults on a 2-core Xeon (AVX-512): 0.78 on
-the held-out prompts' samples, ~3 minutes to build. Recipes tried, with PPO on the model's score alone
-(reward.rule_weight=0, 150 steps; held-out accuracy starts at 0.438): BCE from the warm start's body, 0.63-0.66
-pairwise, accuracy -> 0.04; Bradley-Terry, 0.69; the stronger body (this one), 0.78 and -> 0.36, 0.80 (lr 3e-4)
-and -> 0.29. The policy finds the answers it over-scores (reward hacking; reward/model_disagree climbs): trained
-on, keep the verifier in the reward (reward.rule_weight > 0).
+it ranks one prompt's right answers above its wrong ones among the policy's samples (pairwise accuracy; 0.5 is
+chance), on training prompts and on 10% of them it did not train on.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from ...config import ModelConfig, TaskConfig
 from .warm_start import cache_key, cache_root, supervised_pass
 
 log = logging.getLogger(__name__)
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 SAMPLES_PER_PROMPT = 8  # 4 gave held-out pairwise ranking 0.63, 8 (and more steps) 0.66
 TEMPERATURE = 1.0     # the rollout's default: it learns on the distribution PPO starts from
 MAX_NEW_TOKENS = 8    # answers are at most 5 characters and EOS; longer ones are wrong anyway
@@ -44,6 +47,7 @@ LR = 1e-3
 PAIR_WEIGHT = 1.0
 BODY_STEPS, BODY_LR, BODY_TARGET = 2000, 3e-3, 0.95
 PROBE_SHARE = 0.1     # training prompts held back to measure it (not the task's held-out split)
+NEAR_MISSES = 6       # per training prompt: the right answer against answers one edit away from it
 
 
 @torch.no_grad()
@@ -63,6 +67,24 @@ def sample_responses(policy, tokenizer, prompts: list[str], n: int, seed: int) -
             end = row.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in row else len(row)
             out.append((p, tokenizer.decode(row[:end], skip_special_tokens=True)))
     return out
+
+
+def near_misses(answer: str, rng: random.Random, k: int) -> list[str]:
+    """Up to `k` distinct wrong answers one edit from `answer`: a digit changed, +-1, +-10, a digit dropped or
+    added, two digits swapped — the answers a policy that almost knows the sum gives, and the ones it finds
+    when it hunts for what a reward model over-scores."""
+    n = int(answer)
+    sign, digits = ("-", answer[1:]) if answer.startswith("-") else ("", answer)
+    out: set[str] = {str(n + d) for d in (1, -1, 10, -10)}
+    for i in range(len(digits)):
+        out |= {sign + digits[:i] + c + digits[i + 1:] for c in "0123456789"}
+        out.add(sign + digits[:i] + digits[i + 1:])
+        out |= {sign + digits[:i] + c + digits[i:] for c in "0123456789"}
+        if i + 1 < len(digits):
+            out.add(sign + digits[:i] + digits[i + 1] + digits[i] + digits[i + 2:])
+    out = sorted(x for x in out if x.lstrip("-") and x != answer and x != "-0"
+                 and not (len(x.lstrip("-")) > 1 and x.lstrip("-")[0] == "0"))  # no leading zeros
+    return rng.sample(out, min(k, len(out)))
 
 
 def _pairs(labels: list[float], per_prompt: int) -> list[tuple[int, int]]:
@@ -123,6 +145,17 @@ def build(policy_dir: Path, train_rows: list[dict], verifier, out: Path) -> dict
     rm.model.load_state_dict(body.model.state_dict())
     texts, labels = data["train"]
     pairs = _pairs(labels, SAMPLES_PER_PROMPT)
+    n_samples, right_share = len(texts), sum(labels) / len(labels)
+    # hard negatives: each training prompt's right answer against answers one edit away from it
+    rng = random.Random(1)
+    for r in rows[n_probe:]:
+        right = len(texts)
+        texts.append(r["prompt"] + r["answer"])
+        labels.append(1.0)
+        for wrong in near_misses(r["answer"], rng, NEAR_MISSES):
+            pairs.append((right, len(texts)))
+            texts.append(r["prompt"] + wrong)
+            labels.append(0.0)
     steps = max(1, EPOCHS * len(texts) // BATCH)
     opt = torch.optim.AdamW(rm.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps)
@@ -144,9 +177,10 @@ def build(policy_dir: Path, train_rows: list[dict], verifier, out: Path) -> dict
         torch.nn.utils.clip_grad_norm_(rm.parameters(), 1.0)
         opt.step()
         sched.step()
-    first = 256 * SAMPLES_PER_PROMPT  # the training prompts' measure, on 256 of them
+    first = 256 * SAMPLES_PER_PROMPT  # the training prompts' measure, on 256 of them (their samples come first)
     report = {"body_sft_steps": sft["steps"], "body_probe_accuracy": sft["probe_accuracy"],
-              "samples": len(texts), "right_share": sum(labels) / len(labels), "steps": steps,
+              "samples": n_samples, "right_share": right_share, "near_miss_texts": len(texts) - n_samples,
+              "steps": steps,
               "train_pairwise": pairwise_accuracy(rm, tokenizer, texts[:first], labels[:first]),
               "probe_samples": len(data["probe"][0]),
               "probe_pairwise": pairwise_accuracy(rm, tokenizer, *data["probe"]),
@@ -159,7 +193,7 @@ def build(policy_dir: Path, train_rows: list[dict], verifier, out: Path) -> dict
 
 def task_reward_model_dir(task: TaskConfig, model: ModelConfig, policy_dir: Path, train_rows: list[dict],
                           verifier) -> Path:
-    """The folder of the built-in reward model for these settings, built on first use (about a minute)."""
+    """The folder of the built-in reward model for these settings, built on first use (~4-8 minutes on 2 cores)."""
     target = cache_root() / f"{task.name}-{cache_key(task, model)}-rm{RECIPE_VERSION}"
     if (target / "model.safetensors").exists():
         return target

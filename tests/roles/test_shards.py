@@ -1,0 +1,128 @@
+"""Sharded trainer state on disk (roles/shards.py), with real FSDP2 over gloo process groups: saved by 2 ranks,
+each writing its own pieces, it loads onto 3 ranks and onto one unsharded process with the same weights and
+the same optimizer state; nothing in the files is pickled."""
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlbench_nb.checkpoint import CheckpointError
+from rlbench_nb.roles import distributed as dist_util
+from rlbench_nb.roles import shards
+
+
+def _model(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)  # hidden 24 over 3 ranks, vocab 37: uneven shards on 2 and on 3 ranks
+    return LlamaForCausalLM(LlamaConfig(vocab_size=37, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                                        tie_word_embeddings=False))
+
+
+def _trained_or_fresh(seed: int, sharded: bool, steps: int):
+    model = _model(seed)
+    if sharded:
+        dist_util.shard(model, torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(steps):  # every rank the same batch: the sharded run is the unsharded one split up
+        ids = torch.randint(0, 37, (4, 10), generator=gen)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _full(model, opt, sharded: bool) -> dict:
+    weights = dist_util.full_model_state(model, sharded)
+    optim = dist_util.full_optimizer_state(model, opt, sharded) if sharded else None
+    if not sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        optim = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    return {"weights": weights, "state": optim.get("state"), "groups": optim.get("param_groups")}  # {} off rank 0
+
+
+def _worker(rank: int, world: int, port: int, job: str, folder: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        if job == "save":
+            model, opt = _trained_or_fresh(0, True, steps=3)
+            shards.save_tensors(Path(folder), shards.model_state(model), sharded=True)
+            shards.save_optimizer(model, opt, Path(folder), sharded=True)
+        else:
+            model, opt = _trained_or_fresh(1, True, steps=0)  # other weights, an untouched optimizer
+            shards.load_model(model, Path(folder))
+            shards.load_optimizer(model, opt, Path(folder))
+        full = _full(model, opt, True)
+        if rank == 0:
+            torch.save(full, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, job: str, folder: Path, out: Path) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(world, port, job, str(folder), str(out)), nprocs=world, start_method="spawn")
+    return torch.load(out, weights_only=True)
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    # exact: loading copies the saved numbers, nothing is recomputed
+    assert a["weights"].keys() == b["weights"].keys()
+    for k in a["weights"]:
+        assert torch.equal(a["weights"][k], b["weights"][k]), k
+    assert a["state"].keys() == b["state"].keys() and a["state"]
+    for k in a["state"]:
+        for field in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(a["state"][k][field].cpu(), b["state"][k][field].cpu()), (k, field)
+    for ga, gb in zip(a["groups"], b["groups"]):
+        assert (ga["lr"], tuple(ga["betas"]), ga["weight_decay"]) == (gb["lr"], tuple(gb["betas"]), gb["weight_decay"])
+
+
+@pytest.mark.slow
+def test_saved_by_two_ranks_loads_on_three_and_on_one(tmp_path):
+    saved = _spawn(2, "save", tmp_path / "ckpt", tmp_path / "saved.pt")
+    files = sorted(p.name for p in (tmp_path / "ckpt").rglob("*") if p.is_file())
+    # each rank wrote its own weight and optimizer pieces; no pickled DCP .metadata
+    assert sum(f.startswith("shard-") for f in files) == 4 and not any(f.endswith(".metadata") for f in files), files
+    assert saved["state"] and all(int(v["step"]) == 3 for v in saved["state"].values())
+
+    _assert_same(saved, _spawn(3, "load", tmp_path / "ckpt", tmp_path / "three.pt"))
+
+    model, opt = _trained_or_fresh(1, False, steps=0)  # one process, no process group, plain tensors
+    shards.load_model(model, tmp_path / "ckpt")
+    shards.load_optimizer(model, opt, tmp_path / "ckpt")
+    _assert_same(saved, _full(model, opt, False))
+
+
+def test_whole_files_round_trip_and_refuse_another_model(tmp_path):
+    """One rank (the local backend): whole files, read back through the same sharded loader; another model's
+    optimizer state is refused by name before anything is copied."""
+    model, opt = _trained_or_fresh(0, False, steps=2)
+    shards.save_tensors(tmp_path, shards.model_state(model), sharded=False)
+    shards.save_optimizer(model, opt, tmp_path, sharded=False)
+    groups = json.loads((tmp_path / "optimizer" / "param_groups.json").read_text())
+    assert groups[0]["lr"] == 1e-2 and groups[0]["betas"] == [0.8, 0.95] and "lm_head.weight" in groups[0]["params"]
+    other, other_opt = _trained_or_fresh(1, False, steps=0)
+    shards.load_model(other, tmp_path)
+    shards.load_optimizer(other, other_opt, tmp_path)
+    _assert_same(_full(model, opt, False), _full(other, other_opt, False))
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    smaller = LlamaForCausalLM(LlamaConfig(vocab_size=37, hidden_size=24, intermediate_size=40, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=2))
+    with pytest.raises(CheckpointError, match="other weights than this model trains"):
+        shards.load_optimizer(smaller, torch.optim.AdamW(smaller.parameters()), tmp_path)
+    wider = _model(0).__class__(LlamaConfig(vocab_size=37, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                            num_attention_heads=2, num_key_value_heads=2))
+    with pytest.raises(CheckpointError, match="do not fit this model"):
+        shards.load_model(wider, tmp_path)
