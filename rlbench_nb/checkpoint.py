@@ -124,11 +124,12 @@ def export_weights(path: str | Path, out: str | Path) -> Path:
                               "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), that folder)")
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} exists and is not empty: give a new folder")
+    weights = whole_tensors(policy)  # read (and checked whole) before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    for f in policy.iterdir():  # config, generation config, tokenizer
-        if f.is_file() and not f.name.endswith((".safetensors", ".pt")):
+    for f in policy.iterdir():  # config, generation config, tokenizer (not an index of the saved files)
+        if f.is_file() and not f.name.endswith((".safetensors", ".pt", ".index.json")):
             shutil.copy2(f, out / f.name)
-    save_file({k: v.contiguous() for k, v in whole_tensors(policy).items()}, str(out / "model.safetensors"),
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     return out
 

@@ -192,6 +192,8 @@ class PolicyWorker(SnapshotHolder, ReferenceWorker):
             if dist_util.rank() == 0:
                 if self.sharded:
                     self.model.config.save_pretrained(str(path))
+                    if self.model.can_generate() and self.model.generation_config is not None:
+                        self.model.generation_config.save_pretrained(str(path))
                 else:
                     self.model.save_pretrained(str(path))  # config, generation config, model.safetensors
                 copy_tokenizer_files(self.model_dir, path)

@@ -16,19 +16,21 @@ from rlbench_nb.roles import distributed as dist_util
 from rlbench_nb.roles import shards
 
 
-def _model(seed: int):
+def _model(seed: int, tied: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)  # hidden 24 over 3 ranks, vocab 37: uneven shards on 2 and on 3 ranks
     return LlamaForCausalLM(LlamaConfig(vocab_size=37, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
-                                        tie_word_embeddings=False))
+                                        tie_word_embeddings=tied))
 
 
-def _trained_or_fresh(seed: int, sharded: bool, steps: int):
-    model = _model(seed)
+def _trained_or_fresh(seed: int, sharded: bool, steps: int, lr: float = 1e-2, tied: bool = False):
+    model = _model(seed, tied)
     if sharded:
         dist_util.shard(model, torch.device("cpu"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)
+    # as roles/common.make_adamw: the fused kernel for plain tensors, torch's default for DTensors
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.8, 0.95), weight_decay=0.1,
+                            fused=None if sharded else True)
     gen = torch.Generator().manual_seed(7)
     for _ in range(steps):  # every rank the same batch: the sharded run is the unsharded one split up
         ids = torch.randint(0, 37, (4, 10), generator=gen)
@@ -84,6 +86,7 @@ def _assert_same(a: dict, b: dict) -> None:
     for k in a["state"]:
         for field in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(a["state"][k][field].cpu(), b["state"][k][field].cpu()), (k, field)
+    assert len(a["groups"]) == len(b["groups"])
     for ga, gb in zip(a["groups"], b["groups"]):
         assert (ga["lr"], tuple(ga["betas"]), ga["weight_decay"]) == (gb["lr"], tuple(gb["betas"]), gb["weight_decay"])
 
@@ -102,6 +105,14 @@ def test_saved_by_two_ranks_loads_on_three_and_on_one(tmp_path):
     shards.load_model(model, tmp_path / "ckpt")
     shards.load_optimizer(model, opt, tmp_path / "ckpt")
     _assert_same(saved, _full(model, opt, False))
+    assert opt.param_groups[0]["fused"] is True  # how it runs stays its own: DTensors saved it with fused=None
+
+    (tmp_path / "ckpt" / "shard-00002-model-00001-of-00001.safetensors").unlink()  # a rank's file never arrived
+    with pytest.raises(CheckpointError, match="saved by 2 ranks but holds 1 shard files: a rank's shard file is"):
+        shards.load_model(model, tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "shards.json").unlink()  # without the layout: the pieces do not cover every tensor
+    with pytest.raises(CheckpointError, match="values of .*: a rank's shard file is missing|do not fit this model"):
+        shards.load_model(model, tmp_path / "ckpt")
 
 
 def test_whole_files_round_trip_and_refuse_another_model(tmp_path):
@@ -112,10 +123,13 @@ def test_whole_files_round_trip_and_refuse_another_model(tmp_path):
     shards.save_optimizer(model, opt, tmp_path, sharded=False)
     groups = json.loads((tmp_path / "optimizer" / "param_groups.json").read_text())
     assert groups[0]["lr"] == 1e-2 and groups[0]["betas"] == [0.8, 0.95] and "lm_head.weight" in groups[0]["params"]
-    other, other_opt = _trained_or_fresh(1, False, steps=0)
+    other, other_opt = _trained_or_fresh(1, False, steps=0, lr=5e-3)  # the saved learning rate comes back
+    for p in other.parameters():  # left-over gradients (an update abandoned before its step) change nothing
+        p.grad = torch.ones_like(p)
     shards.load_model(other, tmp_path)
     shards.load_optimizer(other, other_opt, tmp_path)
     _assert_same(_full(model, opt, False), _full(other, other_opt, False))
+    assert other_opt.param_groups[0]["lr"] == 1e-2 and other_opt.param_groups[0]["fused"] is True
 
     from transformers import LlamaConfig, LlamaForCausalLM
     smaller = LlamaForCausalLM(LlamaConfig(vocab_size=37, hidden_size=24, intermediate_size=40, num_hidden_layers=1,
@@ -124,5 +138,17 @@ def test_whole_files_round_trip_and_refuse_another_model(tmp_path):
         shards.load_optimizer(smaller, torch.optim.AdamW(smaller.parameters()), tmp_path)
     wider = _model(0).__class__(LlamaConfig(vocab_size=37, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                                             num_attention_heads=2, num_key_value_heads=2))
-    with pytest.raises(CheckpointError, match="do not fit this model"):
+    with pytest.raises(CheckpointError, match=r"do not fit this model \(.* shape \[37, 24\], this model's is \[37, 32"):
         shards.load_model(wider, tmp_path)
+
+
+def test_a_tied_embedding_is_saved_once_and_loads_back(tmp_path):
+    """HF ties lm_head to the embedding: one parameter under two names, written once (as save_pretrained does)."""
+    model, opt = _trained_or_fresh(0, False, steps=1, tied=True)
+    state = shards.model_state(model)
+    assert "lm_head.weight" not in state and "model.embed_tokens.weight" in state
+    shards.save_tensors(tmp_path, shards.model_state(model), sharded=False)
+    other, _ = _trained_or_fresh(1, False, steps=0, tied=True)
+    shards.load_model(other, tmp_path)
+    assert torch.equal(other.lm_head.weight, model.lm_head.weight)
+    assert other.lm_head.weight is other.model.embed_tokens.weight
