@@ -17,6 +17,7 @@ PACKAGE = REPO / "rlbench_nb"
 FORBIDDEN = {
     "algos": ("cluster", "data", "roles", "metrics", "session", "runner", "widgets", "ipython", "checkpoint"),
     "rewards": ("cluster", "data", "roles", "metrics", "session", "runner", "widgets", "ipython", "checkpoint"),
+    "envs": ("cluster", "data", "roles", "metrics", "session", "runner", "widgets", "ipython", "checkpoint"),
     "data": ("cluster", "roles", "session", "runner", "widgets", "ipython", "checkpoint"),
     "metrics": ("cluster", "roles", "session", "runner", "widgets", "ipython"),
     "roles": ("cluster", "session", "runner", "widgets", "ipython"),

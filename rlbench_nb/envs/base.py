@@ -1,0 +1,57 @@
+"""The environment interface, and how a rollout worker runs one step of it."""
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+
+
+class Env:
+    """One episode's environment: a rollout makes one instance per episode (so state on `self` is the
+    episode's), calls `reset(row)` for the first observation, then `step(text)` after each of the model's turns
+    until it says `done`, `max_turns` turns were taken, or the episode's token budget is spent.
+
+    Subclass it in a notebook cell (it is shipped to the rollout workers with cloudpickle, like a reward
+    function) or in a module (`env.fn: my.module:MyEnv`)."""
+
+    max_turns: int = 4
+    """The model's turns in one episode; the last one is scored as it stands."""
+
+    def reset(self, row: dict) -> str:
+        """The first observation, given the data row (its 'prompt', 'answer', ...): by default the prompt."""
+        self.row = row
+        return row["prompt"]
+
+    def step(self, action_text: str) -> tuple[str | None, float, bool]:
+        """The model's turn (its text up to and including the end of its action) -> (observation or None,
+        reward, done). An observation is appended to the episode as environment tokens (no loss on them);
+        rewards of all steps add up to the episode's score."""
+        raise NotImplementedError(f"{type(self).__name__}.step(action_text) -> (observation, reward, done)")
+
+
+@dataclass
+class EnvStep:
+    observation: str | None
+    reward: float
+    done: bool
+    error: str | None = None  # the step raised or overran: the episode ends here with reward 0
+
+
+def run_step(env: Env, action_text: str, pool: concurrent.futures.Executor, timeout_s: float) -> EnvStep:
+    """`env.step(action_text)` on `pool`, at most `timeout_s` seconds. A step that raises, overruns or returns
+    something else than (observation, reward, done) ends its episode with the reason in `error`; the rest of the
+    batch goes on. (A thread that overruns cannot be stopped; it finishes in the background.)"""
+    future = pool.submit(env.step, action_text)
+    try:
+        out = future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        return EnvStep(None, 0.0, True, f"{type(env).__name__}.step took longer than {timeout_s:g} s")
+    except Exception as e:  # noqa: BLE001 — the environment's own bug: it ends this episode, not the batch
+        return EnvStep(None, 0.0, True, f"{type(env).__name__}.step raised {type(e).__name__}: {e}")
+    try:
+        observation, reward, done = out
+        if observation is not None and not isinstance(observation, str):
+            raise TypeError(f"observation is {type(observation).__name__}")
+        return EnvStep(observation, float(reward), bool(done))
+    except (TypeError, ValueError) as e:
+        return EnvStep(None, 0.0, True, f"{type(env).__name__}.step must return (observation: str | None, "
+                                        f"reward: float, done: bool), got {out!r:.80} ({e})")

@@ -1,0 +1,125 @@
+"""Environments and tools (rlbench_nb/envs): the interface a cell implements, tool schemas from signatures,
+tool calls whose failures become observations, and environment steps that fail without failing the batch."""
+import concurrent.futures
+import threading
+import time
+
+import pytest
+
+from rlbench_nb.envs import Env, Tool, ToolEnv, calculator, run_step
+from rlbench_nb.errors import UsageError
+
+
+class Arith(ToolEnv):
+    tools = [calculator]
+    max_turns = 2
+
+
+def test_a_tool_is_described_by_its_signature_and_docstring():
+    schema = Tool(calculator).schema["function"]
+    assert schema["name"] == "calculator" and schema["parameters"]["required"] == ["expr"]
+    assert schema["parameters"]["properties"]["expr"]["type"] == "string"
+    assert "+, - and *" in schema["description"]
+
+    def lookup(key):  # no type hint, no docstring: the model could not be told how to call it
+        return key
+    with pytest.raises(UsageError, match="tool 'lookup' cannot be described to the model .*type hint"):
+        Tool(lookup)
+
+
+def test_the_calculator_does_integer_arithmetic_and_nothing_else():
+    assert [calculator(e) for e in ("1234+5678", "12*(3-5)", " -7 + 2 ", "99999999*99999999")] == \
+           ["6912", "-24", "-5", str(99999999 * 99999999)]
+    for bad in ("__import__('os').system('true')", "2**64", "7/2", "a+1", "1+", "1" * 65, "9" * 30 + "*" + "9" * 30):
+        with pytest.raises(ValueError):
+            calculator(bad)
+
+
+def test_a_tool_episode_calls_reads_the_result_and_answers():
+    env = Arith()
+    assert env.reset({"prompt": "1234+5678=", "answer": "6912"}) == "1234+5678="
+    assert env.step("<call>1234+5678</call>") == ("<result>6912</result>", 0.0, False)
+    assert env.step(" 6912") == (None, 1.0, True)  # no call: the answer, scored against the row
+    assert (env.calls, env.errors) == (1, 0)
+    assert Arith().step('<call>{"name": "calculator", "arguments": {"expr": "2*3"}}</call>')[0] == "<result>6</result>"
+
+
+def test_a_failing_tool_costs_a_turn_not_the_episode():
+    def boom(x: str) -> str:
+        """Always fails.
+
+        Args:
+            x: anything
+        """
+        raise RuntimeError("no network here")
+
+    def slow(x: str) -> str:
+        """Sleeps.
+
+        Args:
+            x: anything
+        """
+        time.sleep(1.0)
+        return x
+
+    class Tools(ToolEnv):
+        tools = [boom, slow]
+        tool_timeout_s = 0.2
+
+    env = Tools()
+    env.reset({"prompt": "p", "answer": "a"})
+    calls = {'{"name": "boom", "arguments": {"x": "1"}}': "error: boom raised RuntimeError: no network here",
+             '{"name": "slow", "arguments": {"x": "1"}}': "error: slow took longer than 0.2 s",
+             '{"name": "nope", "arguments": {}}': "error: no tool 'nope'; tools: ['boom', 'slow']",
+             '{"name": "slow", "arguments": {"y": 1}}': "error: slow takes ['x']; unknown ['y']; missing ['x']",
+             '{"name": "slow"': "error: cannot read the call",
+             "plain text": 'error: write the call as {"name": ..., "arguments": {...}}'}
+    for call, want in calls.items():
+        t0 = time.perf_counter()
+        observation, reward, done = env.step(f"<call>{call}</call>")
+        assert observation.startswith(f"<result>{want}") and (reward, done) == (0.0, False), observation
+        assert time.perf_counter() - t0 < 0.9  # the hung tool is not waited for
+    assert (env.calls, env.errors) == (6, 6)
+
+
+def test_an_environment_that_raises_hangs_or_answers_wrongly_ends_its_episode_only():
+    class Raises(Env):
+        def step(self, action_text):
+            return {}["missing"]
+
+    class Hangs(Env):
+        def step(self, action_text):
+            threading.Event().wait(1.0)
+
+    class Wrong(Env):
+        def step(self, action_text):
+            return "obs", 1.0  # two values, not three
+
+    class Fine(Env):
+        def step(self, action_text):
+            return f"[{action_text}]", 0.5, False
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        out = {cls.__name__: run_step(cls(), "x", pool, timeout_s=0.2) for cls in (Raises, Hangs, Wrong, Fine)}
+    assert out["Raises"].done and out["Raises"].error == "Raises.step raised KeyError: 'missing'"
+    assert out["Hangs"].done and out["Hangs"].error == "Hangs.step took longer than 0.2 s"
+    assert out["Wrong"].done and out["Wrong"].error.startswith("Wrong.step must return (observation: str | None")
+    assert (out["Fine"].observation, out["Fine"].reward, out["Fine"].done, out["Fine"].error) == ("[x]", 0.5, False,
+                                                                                                  None)
+    for step in out.values():  # a failed step scores nothing and says nothing more
+        assert step.error is None or (step.observation, step.reward) == (None, 0.0)
+
+
+def test_an_environment_written_in_a_cell_ships_to_workers():
+    """Defined inside a function (as in a notebook cell): cloudpickle carries the class by value."""
+    import cloudpickle
+
+    class Countdown(ToolEnv):
+        tools = [calculator]
+
+        def score(self, row, answer_text):
+            return float(answer_text.strip() == "0")
+
+    env = cloudpickle.loads(cloudpickle.dumps(Countdown))()
+    env.reset({"prompt": "3-3="})
+    assert env.step("<call>3-3</call>")[0] == "<result>0</result>" and env.step("0") == (None, 1.0, True)
