@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from dataclasses import dataclass
 
 
@@ -15,6 +16,8 @@ class Env:
 
     max_turns: int = 4
     """The model's turns in one episode; the last one is scored as it stands."""
+    stop_strings: tuple[str, ...] = ()
+    """Besides EOS, text that ends the model's turn (ToolEnv: the tag that closes a call)."""
 
     def reset(self, row: dict) -> str:
         """The first observation, given the data row (its 'prompt', 'answer', ...): by default the prompt."""
@@ -37,21 +40,32 @@ class EnvStep:
 
 
 def run_step(env: Env, action_text: str, pool: concurrent.futures.Executor, timeout_s: float) -> EnvStep:
-    """`env.step(action_text)` on `pool`, at most `timeout_s` seconds. A step that raises, overruns or returns
-    something else than (observation, reward, done) ends its episode with the reason in `error`; the rest of the
-    batch goes on. (A thread that overruns cannot be stopped; it finishes in the background.)"""
-    future = pool.submit(env.step, action_text)
+    """`env.step(action_text)` on `pool`, at most `timeout_s` seconds (see `run_steps`)."""
+    return run_steps([(env, action_text)], pool, timeout_s)[0]
+
+
+def run_steps(calls: list[tuple[Env, str]], pool: concurrent.futures.Executor, timeout_s: float) -> list[EnvStep]:
+    """Each `env.step(action_text)` at once on `pool`, all within `timeout_s` seconds of the start. A step that
+    raises, overruns or returns something else than (observation, reward, done) ends its episode with the reason
+    in `error`; the others go on. (A thread that overruns cannot be stopped; it finishes in the background.)"""
+    deadline = time.monotonic() + timeout_s
+    futures = [pool.submit(env.step, text) for env, text in calls]
+    return [_finish(env, future, deadline, timeout_s) for (env, _), future in zip(calls, futures)]
+
+
+def _finish(env: Env, future: concurrent.futures.Future, deadline: float, timeout_s: float) -> EnvStep:
+    name = type(env).__name__
     try:
-        out = future.result(timeout=timeout_s)
+        out = future.result(timeout=max(0.0, deadline - time.monotonic()))
     except concurrent.futures.TimeoutError:
-        return EnvStep(None, 0.0, True, f"{type(env).__name__}.step took longer than {timeout_s:g} s")
+        return EnvStep(None, 0.0, True, f"{name}.step took longer than {timeout_s:g} s")
     except Exception as e:  # noqa: BLE001 — the environment's own bug: it ends this episode, not the batch
-        return EnvStep(None, 0.0, True, f"{type(env).__name__}.step raised {type(e).__name__}: {e}")
+        return EnvStep(None, 0.0, True, f"{name}.step raised {type(e).__name__}: {e}")
     try:
         observation, reward, done = out
         if observation is not None and not isinstance(observation, str):
             raise TypeError(f"observation is {type(observation).__name__}")
         return EnvStep(observation, float(reward), bool(done))
     except (TypeError, ValueError) as e:
-        return EnvStep(None, 0.0, True, f"{type(env).__name__}.step must return (observation: str | None, "
-                                        f"reward: float, done: bool), got {out!r:.80} ({e})")
+        return EnvStep(None, 0.0, True, f"{name}.step must return (observation: str | None, reward: float, "
+                                        f"done: bool), got {out!r:.80} ({e})")

@@ -71,6 +71,10 @@ class ToolEnv(Env):
     result_tags: tuple[str, str] = ("<result>", "</result>")
     tool_timeout_s: float = 5.0
 
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.call_tags[1],)
+
     def reset(self, row: dict) -> str:
         self.calls, self.errors = 0, 0
         return super().reset(row)

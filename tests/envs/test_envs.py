@@ -59,7 +59,7 @@ def test_a_failing_tool_costs_a_turn_not_the_episode():
         Args:
             x: anything
         """
-        time.sleep(1.0)
+        time.sleep(3.0)
         return x
 
     class Tools(ToolEnv):
@@ -78,7 +78,7 @@ def test_a_failing_tool_costs_a_turn_not_the_episode():
         t0 = time.perf_counter()
         observation, reward, done = env.step(f"<call>{call}</call>")
         assert observation.startswith(f"<result>{want}") and (reward, done) == (0.0, False), observation
-        assert time.perf_counter() - t0 < 0.9  # the hung tool is not waited for
+        assert time.perf_counter() - t0 < 2.0  # the hung tool (3 s) is not waited for
     assert (env.calls, env.errors) == (6, 6)
 
 
@@ -89,7 +89,7 @@ def test_an_environment_that_raises_hangs_or_answers_wrongly_ends_its_episode_on
 
     class Hangs(Env):
         def step(self, action_text):
-            threading.Event().wait(1.0)
+            threading.Event().wait(3.0)
 
     class Wrong(Env):
         def step(self, action_text):

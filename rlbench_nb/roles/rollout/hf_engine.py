@@ -18,6 +18,7 @@ from .base import RolloutWorker
 class HFRolloutWorker(RolloutWorker):
     def __init__(self, cfg: Config, model_dir: str, eos_token_id: int, pad_token_id: int):
         self.cfg = cfg
+        self.model_dir = model_dir
         self.device = pick_device()
         self.model = load_causal_lm(model_dir, cfg.model.dtype, self.device)
         self.model.requires_grad_(False)
@@ -87,6 +88,23 @@ class HFRolloutWorker(RolloutWorker):
         resp_mask = (torch.arange(steps, device=self.device)[None, :] < lengths[:, None]).long()
         return Batch({"response_ids_BR": tokens[:, :steps].cpu(), "response_mask_BR": resp_mask.cpu(),
                       "rollout_logprobs_BR": logprobs[:, :steps].cpu()})
+
+    @torch.no_grad()
+    def generate_episodes(self, rows: list[dict], env_cls, params: RolloutConfig | None = None,
+                          step_timeout_s: float = 30.0) -> Batch:
+        """One multi-turn episode per row with a fresh `env_cls()` each (rows already repeated n times per
+        prompt): model and environment take turns, token in, token out (episodes.py)."""
+        import concurrent.futures
+
+        from transformers import AutoTokenizer
+
+        from .episodes import run_episodes
+        self._mark()
+        if getattr(self, "_tokenizer", None) is None:
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            self._env_pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="rlbench-env")
+        return run_episodes(self.model, self._tokenizer, [env_cls() for _ in rows], rows, params or self.cfg.rollout,
+                            self._sample, self._env_pool, step_timeout_s)
 
     @staticmethod
     def _sample(logits_BV: torch.Tensor, p: RolloutConfig,

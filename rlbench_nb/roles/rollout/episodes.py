@@ -1,0 +1,129 @@
+"""Multi-turn episodes in the HF engine: the model and an environment (rlbench_nb/envs) take turns in one
+sequence, token in, token out.
+
+The KV-cache loop of hf_engine.py, one token per step, with a queue of **forced tokens** per row: after the
+model's turn ends (EOS, or its text ends with one of the environment's stop strings) the environment's step
+runs (every row that ended a turn at this step at once, on a thread pool, within `step_timeout_s`), its
+observation is encoded once and queued, and the row feeds those ids one per step instead of sampling — so the
+sampled ids are kept exactly as drawn (no decode / re-encode of the conversation) and nothing is prefilled
+twice. Output per row: `response_ids_BR` (the model's and the environment's tokens, interleaved),
+`response_mask_BR` (every token of the episode: attention, and where it ends), `loss_mask_BR` (1 on the model's
+own tokens only), `rollout_logprobs_BR` (0 on environment tokens), `env_scores_B` (the steps' rewards summed),
+`num_turns_B`, `tool_calls_B`, `tool_errors_B`, and per row the reason an episode ended early
+(`info["env_errors"]`: a step that raised or hung, or an observation past the token budget).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from collections import deque
+
+import torch
+
+from ...config import RolloutConfig
+from ...data.batch import Batch
+from ...envs import Env, run_steps
+
+
+@torch.no_grad()
+def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: RolloutConfig, sample,
+                 pool: concurrent.futures.Executor, step_timeout_s: float,
+                 gen: torch.Generator | None = None) -> Batch:
+    """One episode per (env, row): `env.reset(row)` is the prompt; then model and environment take turns until
+    the environment says done, `env.max_turns` model turns were taken, or `p.max_new_tokens` tokens (the model's
+    and the environment's together) are spent. `sample(logits, p, gen) -> (tokens, logprobs)` is the engine's
+    sampler."""
+    from transformers import DynamicCache
+    device = next(model.parameters()).device
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    B, R = len(envs), p.max_new_tokens
+    prompts = [tokenizer.encode(env.reset(row), add_special_tokens=False) for env, row in zip(envs, rows)]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts], device=device)  # left padding
+    attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts], device=device)
+    prompt_mask = attn.cpu()
+    tokens = torch.full((B, R), pad, dtype=torch.long)
+    logprobs = torch.zeros((B, R))
+    loss_mask = torch.zeros((B, R), dtype=torch.long)
+    lengths = [R] * B
+    forced: list[deque[int]] = [deque() for _ in range(B)]
+    turn_text, turns = [""] * B, [0] * B
+    scores, errors = [0.0] * B, [None] * B
+    rows_left = list(range(B))                       # batch row of each sequence still running
+    next_pos = attn.sum(-1, keepdim=True)
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    steps = R
+    for t in range(R):
+        tok, logp = sample(logits.float(), p, gen)
+        tok, logp = tok.cpu(), logp.cpu()
+        ending: list[int] = []                       # positions (in rows_left) whose model turn ends here
+        for i, r in enumerate(rows_left):
+            if forced[r]:                            # the environment's token: fed, not sampled
+                tok[i], logp[i] = forced[r].popleft(), 0.0
+                continue
+            loss_mask[r, t] = 1
+            if tok[i] == eos:
+                ending.append(i)
+                continue
+            turn_text[r] += tokenizer.decode([int(tok[i])])
+            if any(turn_text[r].endswith(s) for s in envs[r].stop_strings):
+                ending.append(i)
+        tokens[rows_left, t], logprobs[rows_left, t] = tok, logp
+        if t == R - 1:  # the budget is spent: a turn cut short is scored as it stands
+            ending = [i for i, r in enumerate(rows_left) if not forced[r] and (i in ending or turn_text[r])]
+        done = _take_steps(envs, [rows_left[i] for i in ending], turn_text, turns, scores, errors, forced,
+                           tokenizer, pool, step_timeout_s, room=R - t - 1)
+        if t == R - 1:
+            break
+        finished = {i for i, r in enumerate(rows_left) if r in done}
+        for i in finished:
+            lengths[rows_left[i]] = t + 1
+        if finished:
+            keep = [i for i in range(len(rows_left)) if i not in finished]
+            if not keep:
+                steps = t + 1
+                break
+            index = torch.tensor(keep, device=device)
+            rows_left = [rows_left[i] for i in keep]
+            tok, next_pos, attn = tok[keep], next_pos[index], attn[index]
+            cache.batch_select_indices(index)
+        attn = torch.cat([attn, attn.new_ones((len(rows_left), 1))], dim=1)
+        logits = model(input_ids=tok[:, None].to(device), attention_mask=attn, position_ids=next_pos,
+                       past_key_values=cache, use_cache=True).logits[:, -1]
+        next_pos = next_pos + 1
+    valid = (torch.arange(steps)[None, :] < torch.tensor(lengths)[:, None]).long()
+    out = Batch({"response_ids_BR": tokens[:, :steps], "response_mask_BR": valid,
+                 "loss_mask_BR": loss_mask[:, :steps] * valid, "rollout_logprobs_BR": logprobs[:, :steps] * valid,
+                 "prompt_ids_BP": ids.cpu(), "prompt_mask_BP": prompt_mask,
+                 "env_scores_B": torch.tensor(scores), "num_turns_B": torch.tensor(turns),
+                 "tool_calls_B": torch.tensor([getattr(env, "calls", 0) for env in envs]),
+                 "tool_errors_B": torch.tensor([getattr(env, "errors", 0) for env in envs])})
+    out.info["env_errors"] = errors
+    return out
+
+
+def _take_steps(envs, ending: list[int], turn_text, turns, scores, errors, forced, tokenizer, pool,
+                step_timeout_s: float, room: int) -> set[int]:
+    """The environment's answer to each row in `ending` (batch rows whose model turn just ended); queues the
+    observations' ids. Returns the rows whose episode is over."""
+    done: set[int] = set()
+    if not ending:
+        return done
+    for r, step in zip(ending, run_steps([(envs[r], turn_text[r]) for r in ending], pool, step_timeout_s)):
+        turns[r] += 1
+        scores[r] += step.reward
+        turn_text[r] = ""
+        if step.error:
+            errors[r] = step.error
+        if step.done or step.error or turns[r] >= envs[r].max_turns or room <= 0:
+            done.add(r)
+            continue
+        if step.observation:
+            ids = tokenizer.encode(step.observation, add_special_tokens=False)
+            if len(ids) >= room:  # no room left for it and an answer: the episode ends here
+                errors[r] = f"the observation ({len(ids)} tokens) does not fit the {room} tokens left"
+                done.add(r)
+                continue
+            forced[r].extend(ids)
+    return done

@@ -1,0 +1,143 @@
+"""Multi-turn episodes in the HF engine (roles/rollout/episodes.py) with a real model: a tiny Llama taught three
+tool-using episodes, decoded greedily, talks to a real ToolEnv. The sampled ids are kept as drawn, the
+environment's ids are the observation's encoding exactly, the loss mask is 1 on the model's tokens only, and an
+environment that fails ends its own episode, not the batch."""
+import concurrent.futures
+import time
+
+import pytest
+import torch
+
+from rlbench_nb.config import Config
+from rlbench_nb.envs import ToolEnv, calculator
+from rlbench_nb.roles.rollout.episodes import run_episodes
+from rlbench_nb.roles.rollout.hf_engine import HFRolloutWorker
+
+PROMPTS = {"12+3=": "15", "40+2=": "42", "7+18=": "25"}
+
+
+class Calc(ToolEnv):
+    """The arithmetic tokenizer's characters only: a call is '*EXPR=', its result 'VALUE ' (then the answer)."""
+    tools = [calculator]
+    call_tags = ("*", "=")
+    result_tags = ("", " ")
+    max_turns = 3
+
+
+@pytest.fixture(scope="module")
+def taught(tmp_path_factory):
+    """The arithmetic task's tokenizer and a tiny Llama that learned each prompt's episode by heart."""
+    from rlbench_nb.data.tasks.arithmetic import make_model, make_tokenizer
+    tok = make_tokenizer(tmp_path_factory.mktemp("tok"))
+    model = make_model(Config.load(None, ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=2",
+                                          "model.intermediate_size=128"]).model, len(tok), seed=0)
+    texts = [f"{p}*{p[:-1]}={a} {a}" for p, a in PROMPTS.items()]
+    batch = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in texts]
+    ids = torch.tensor([x + [tok.pad_token_id] * (max(map(len, batch)) - len(x)) for x in batch])
+    labels = ids.masked_fill(ids == tok.pad_token_id, -100)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(300):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05, loss.item()
+    return model.eval(), tok
+
+
+def _run(taught, envs, rows, max_new_tokens=24, timeout_s=5.0):
+    model, tok = taught
+    p = Config.load(None, ["rollout.temperature=0", f"rollout.max_new_tokens={max_new_tokens}"]).rollout
+    pool = concurrent.futures.ThreadPoolExecutor(4)
+    try:
+        return run_episodes(model, tok, envs, rows, p, HFRolloutWorker._sample, pool, timeout_s)
+    finally:
+        pool.shutdown(wait=False)  # a hung step's thread finishes on its own
+
+
+def test_model_and_tool_take_turns_token_in_token_out(taught):
+    _, tok = taught
+    rows = [{"prompt": p, "answer": a} for p, a in PROMPTS.items()]
+    envs = [Calc() for _ in rows]
+    out = _run(taught, envs, rows)
+    for r, (p, a) in enumerate(PROMPTS.items()):
+        call, result, answer = tok.encode(f"*{p[:-1]}=", add_special_tokens=False), \
+            tok.encode(f"{a} ", add_special_tokens=False), tok.encode(a, add_special_tokens=False)
+        want = call + result + answer + [tok.eos_token_id]
+        n = int(out["response_mask_BR"][r].sum())
+        assert out["response_ids_BR"][r, :n].tolist() == want, tok.decode(out["response_ids_BR"][r, :n])
+        # 1 on what the model sampled (its call, its answer and EOS), 0 on the environment's result
+        assert out["loss_mask_BR"][r, :n].tolist() == [1] * len(call) + [0] * len(result) + [1] * (len(answer) + 1)
+        env_at = slice(len(call), len(call) + len(result))
+        assert (out["rollout_logprobs_BR"][r, env_at] == 0).all()
+        assert (out["rollout_logprobs_BR"][r, :len(call)] < 0).all()  # log-probs of drawn tokens (greedy: near 0)
+    assert out["env_scores_B"].tolist() == [1.0, 1.0, 1.0] and out["num_turns_B"].tolist() == [2, 2, 2]
+    assert out["tool_calls_B"].tolist() == [1, 1, 1] and out["tool_errors_B"].tolist() == [0, 0, 0]
+    assert out.info["env_errors"] == [None, None, None]
+
+
+def test_a_failing_environment_ends_its_own_episode_only(taught):
+    class Flaky(Calc):
+        def step(self, action_text):
+            if self.row["prompt"] == "40+2=":
+                raise ConnectionError("sandbox gone")
+            if self.row["prompt"] == "7+18=":
+                time.sleep(6)
+            return super().step(action_text)
+
+    rows = [{"prompt": p, "answer": a} for p, a in PROMPTS.items()]
+    t0 = time.perf_counter()
+    out = _run(taught, [Flaky() for _ in rows], rows, timeout_s=0.5)
+    assert time.perf_counter() - t0 < 4.0  # the hung step (6 s) was not waited for
+    assert out.info["env_errors"] == [None, "Flaky.step raised ConnectionError: sandbox gone",
+                                      "Flaky.step took longer than 0.5 s"]
+    assert out["env_scores_B"].tolist() == [1.0, 0.0, 0.0]
+    lengths = out["response_mask_BR"].sum(-1).tolist()
+    assert lengths[1] == lengths[2] == len("*40+2=")  # ended right after the turn the environment failed on
+    assert lengths[0] == len("*12+3=15 15") + 1
+
+
+def test_an_observation_past_the_token_budget_ends_the_episode(taught):
+    rows = [{"prompt": "12+3=", "answer": "15"}]
+    out = _run(taught, [Calc()], rows, max_new_tokens=8)  # the call (6) + the result (3) do not fit in 8
+    assert out["response_mask_BR"].sum().item() == 6 and out["loss_mask_BR"].sum().item() == 6
+    assert out.info["env_errors"] == ["the observation (3 tokens) does not fit the 2 tokens left"]
+
+
+def test_the_model_reads_the_environments_tokens_as_the_trainer_will(taught):
+    """Every sampled token's log-prob equals a teacher-forced forward of the whole episode (prompt, the model's
+    tokens and the environment's) — the KV cache held exactly those ids; a result the model never saw in
+    training ('99') makes the check bite on the tokens after it. fp32 on a CPU: the cache and the full forward
+    differ by rounding only (1e-4 is far below the gap a wrong token leaves)."""
+    model, tok = taught
+
+    class Liar(Calc):
+        def call(self, text):
+            return "99", False
+
+    rows = [{"prompt": p, "answer": a} for p, a in PROMPTS.items()]
+    out = _run(taught, [Liar() for _ in rows], rows)
+    for r in range(len(rows)):
+        n = int(out["response_mask_BR"][r].sum())
+        prompt = out["prompt_ids_BP"][r][out["prompt_mask_BP"][r].bool()]
+        full = torch.cat([prompt, out["response_ids_BR"][r, :n]])[None]
+        assert tok.decode(full[0]).startswith(f"{rows[r]['prompt']}*{rows[r]['prompt'][:-1]}=99 ")
+        with torch.no_grad():
+            logp = model(input_ids=full).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+        want = logp.gather(-1, full[0, len(prompt):, None]).squeeze(-1)
+        model_tokens = out["loss_mask_BR"][r, :n].bool()
+        assert model_tokens[len("*12+3=") + 3:].any()  # the model wrote something after the result
+        torch.testing.assert_close(out["rollout_logprobs_BR"][r, :n][model_tokens], want[model_tokens],
+                                   rtol=0, atol=1e-4)
+
+
+def test_the_rollout_worker_runs_episodes_from_its_model_folder(taught, tmp_path):
+    model, tok = taught
+    model.save_pretrained(str(tmp_path))
+    tok.save_pretrained(str(tmp_path))
+    cfg = Config.load(None, ["rollout.temperature=0", "rollout.max_new_tokens=24"])
+    worker = HFRolloutWorker(cfg, str(tmp_path), tok.eos_token_id, tok.pad_token_id)
+    out = worker.generate_episodes([{"prompt": "40+2=", "answer": "42"}] * 2, Calc)
+    assert out["env_scores_B"].tolist() == [1.0, 1.0] and out["tool_calls_B"].tolist() == [1, 1]
+    assert tok.decode(out["response_ids_BR"][0][out["response_mask_BR"][0].bool()]) == "*40+2=42 42<eos>"
