@@ -42,7 +42,7 @@ from .algos import (
 )
 from .cluster.workers import Workers
 from .config import Config, ConfigError
-from .data.batch import Batch
+from .data.batch import Batch, trained_tokens
 from .data.datasets import PromptDataset, PromptSampler, read_rows, validate_rows
 from .data.tasks import load_task
 from .determinism import configure_process, sample_seeds
@@ -353,24 +353,26 @@ class Session(WhatIf):
                 calls["critic"] = self._submit("critic", "compute_values", batch)
             for done in _finish_all(lambda: None, *calls.values())[1]:
                 out.update(Batch.cat(done))
-            mask = batch["response_mask_BR"].float()
+            mask = batch["response_mask_BR"].float()  # where each sequence is: its reward sits on the last token
+            trained = trained_tokens(batch).float()     # the model's own tokens: log-prob terms are taken over these
             if "old_logprobs_BR" in out and "rollout_logprobs_BR" in batch and not batch.info.get("off_policy"):
                 # the engine's sampler vs the trainer on the same tokens and weights (reused: the policy
                 # worker measures it in its update, from the same forward)
-                m.update(mismatch_metrics(batch["rollout_logprobs_BR"], out["old_logprobs_BR"], mask))
+                m.update(mismatch_metrics(batch["rollout_logprobs_BR"], out["old_logprobs_BR"], trained))
                 if a.rollout_is != "off":
                     out["is_weights_BR"], is_stats = rollout_is_weights(
-                        out["old_logprobs_BR"], batch["rollout_logprobs_BR"], mask, a.rollout_is, a.rollout_is_cap)
+                        out["old_logprobs_BR"], batch["rollout_logprobs_BR"], trained, a.rollout_is, a.rollout_is_cap)
                     m.update(is_stats)
             rewards = outcome_token_rewards(batch["scores_B"], mask)
             if self.cfg.uses_reference:
-                kl_BR, current = reference_kl(out["old_logprobs_BR"], out["ref_logprobs_BR"], mask, a.kl_estimator)
-                m.update({"kl/ref": masked_mean(kl_BR, mask).item(), "kl/coef": self.kl_ctrl.value})
+                kl_BR, current = reference_kl(out["old_logprobs_BR"], out["ref_logprobs_BR"], trained, a.kl_estimator)
+                m.update({"kl/ref": masked_mean(kl_BR, trained).item(), "kl/coef": self.kl_ctrl.value})
                 out.info["kl_current"] = current  # the KL controller moves when the step is taken (update)
                 if a.kl_in == "reward":
                     rewards = rewards - self.kl_ctrl.value * kl_BR
             adv, returns = compute_advantages(a.advantage, rewards, mask, group_ids=batch["group"],
                                               values_BR=out.get("values_BR"), cfg=a)
+            adv = adv * trained if "loss_mask_BR" in batch else adv  # no advantage on environment tokens
             out["token_rewards_BR"], out["advantages_BR"] = rewards, adv
             if returns is not None:
                 out["returns_BR"] = returns

@@ -204,3 +204,11 @@ def _short(v, width: int = 24) -> str:
     s = f"{v:.3g}" if isinstance(v, float) else repr(v) if isinstance(v, str) else str(v)
     return s if len(s) <= width else s[: width - 1] + "…"
 
+
+
+def trained_tokens(batch: Batch) -> torch.Tensor:
+    """The response tokens losses, KL, entropy and the mismatch are taken over: the model's own tokens
+    (`loss_mask_BR`, set by multi-turn episodes, where environment tokens sit between the model's turns), else
+    every response token (`response_mask_BR`, which also stays the attention mask and marks where a sequence
+    ends)."""
+    return batch["loss_mask_BR"] if "loss_mask_BR" in batch else batch["response_mask_BR"]

@@ -12,7 +12,7 @@ import torch
 from ..algos import POLICY_LOSSES, agg_loss, kl_penalty, policy_loss
 from ..checkpoint import load_tensors
 from ..config import Config
-from ..data.batch import Batch
+from ..data.batch import Batch, trained_tokens
 from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
 from . import lora as lora_util
@@ -132,7 +132,7 @@ class PolicyWorker(SnapshotHolder, ReferenceWorker):
         """The clipped policy-gradient loss (+ entropy bonus, + KL loss) of a micro-batch, as its share
         of the mini-batch's loss; and its share of each statistic."""
         a = self.cfg.algo
-        mask = mb["response_mask_BR"].float().to(self.device)
+        mask = trained_tokens(mb).float().to(self.device)  # the model's own tokens (episodes: not the env's)
         share = (mask.sum() / counts["num_tokens"]).item()  # of the token-mean statistics
         lp, ent = self._forward(mb, with_entropy=True)
         # without old log-probs (algo.reuse_logprobs) the policy is the one that sampled: ratio 1

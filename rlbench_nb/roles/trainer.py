@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from ..config import TrainConfig
-from ..data.batch import Batch
+from ..data.batch import Batch, trained_tokens
 from . import distributed as dist_util
 
 LossFn = Callable[[Batch, dict], tuple[torch.Tensor, dict]]
@@ -48,7 +48,7 @@ def _optimizer_step(model, optimizer, mini: Batch, t: TrainConfig, loss_fn: Loss
     """One optimizer step over `mini`: its stats, or "loss" / "grad" when a non-finite loss or gradient
     norm made it skip. Skipping leaves weights and optimizer state untouched, and every rank takes the
     same branch (FSDP's backward and the optimizer step are collectives)."""
-    counts = {"num_tokens": dist_util.all_reduce_sum(mini["response_mask_BR"].float().sum()),
+    counts = {"num_tokens": dist_util.all_reduce_sum(trained_tokens(mini).float().sum()),
               "num_seqs": dist_util.all_reduce_sum(torch.tensor(float(len(mini))))}
     world = dist_util.world_size()  # FSDP averages gradients over ranks; the losses are shares of a sum
     optimizer.zero_grad(set_to_none=True)

@@ -141,3 +141,38 @@ def test_the_rollout_worker_runs_episodes_from_its_model_folder(taught, tmp_path
     out = worker.generate_episodes([{"prompt": "40+2=", "answer": "42"}] * 2, Calc)
     assert out["env_scores_B"].tolist() == [1.0, 1.0] and out["tool_calls_B"].tolist() == [1, 1]
     assert tok.decode(out["response_ids_BR"][0][out["response_mask_BR"][0].bool()]) == "*40+2=42 42<eos>"
+
+
+def test_environment_tokens_get_no_gradient(small_cfg):
+    """With a loss mask, what sits on environment tokens (their old and reference log-probs, advantages) moves
+    neither the loss nor any gradient; the same change on one of the model's tokens moves both."""
+    import rlbench_nb as rl
+    from rlbench_nb.data.batch import trained_tokens
+
+    with rl.Session(small_cfg("algo.kl_coef=0.1", "algo.kl_in=loss", "algo.kl_estimator=k3",
+                              "algo.entropy_coef=0.01")) as sess:
+        batch = sess.prepare(sess.score(sess.rollout()))
+        policy = sess.groups["policy"].workers[0]
+    mask = batch["response_mask_BR"]
+    env = torch.zeros_like(mask)
+    env[:, 1:3] = mask[:, 1:3]  # call tokens 1-2 of each response the environment's
+    assert env.sum() > 0
+    batch["loss_mask_BR"] = mask * (1 - env)
+
+    def loss_and_grads(b):
+        policy.model.zero_grad(set_to_none=True)
+        counts = {"num_tokens": trained_tokens(b).float().sum(), "num_seqs": torch.tensor(float(len(b)))}
+        loss, _ = policy._loss(b, counts, kl_coef=0.1)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in policy.model.parameters() if p.grad is not None]
+
+    base_loss, base_grads = loss_and_grads(batch)
+    noise = {k: batch[k] + 3.0 * torch.randn_like(batch[k].float())
+             for k in ("old_logprobs_BR", "ref_logprobs_BR", "advantages_BR")}
+    on_env = batch.replace(**{k: torch.where(env.bool(), v, batch[k]) for k, v in noise.items()})
+    loss, grads = loss_and_grads(on_env)
+    assert torch.equal(loss, base_loss) and all(torch.equal(a, b) for a, b in zip(grads, base_grads))
+    model_token = (batch["loss_mask_BR"] > 0) & (torch.arange(mask.shape[1]) == 0)
+    on_model = batch.replace(**{k: torch.where(model_token, v, batch[k]) for k, v in noise.items()})
+    loss, grads = loss_and_grads(on_model)
+    assert not torch.equal(loss, base_loss) and not all(torch.equal(a, b) for a, b in zip(grads, base_grads))
