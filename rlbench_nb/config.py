@@ -23,6 +23,27 @@ class ConfigError(RLBenchError, ValueError):
     """A configuration problem, explained in one line."""
 
 
+def load_object(spec: str, field: str):
+    """What a config field names as 'module:name' or 'path/to/file.py:name' (a reward function, an
+    environment class); a ConfigError naming the field when it cannot be loaded."""
+    import importlib
+    import importlib.util
+    where, name = spec.rsplit(":", 1)
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.exists():
+                raise FileNotFoundError(f"file {path} does not exist")
+            mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        return getattr(module, name)
+    except (ImportError, AttributeError, FileNotFoundError) as e:
+        raise ConfigError(f"{field}='{spec}' could not be loaded: {e}") from None
+
+
 class _Section(BaseModel):
     # allow_inf_nan=False: an infinite learning rate or a NaN coefficient is a typo, never a setting
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
@@ -420,9 +441,20 @@ class RewardConfig(_Section):
     """reward.isolation=process: memory a worker process may take (address space); a call past it fails."""
 
 
+class EnvConfig(_Section):
+    fn: str | None = None
+    """A multi-turn environment (rlbench_nb/envs: an Env subclass), 'module:Class' or 'path/file.py:Class': each
+    rollout is an episode in which the model and the environment take turns, and the episode's reward is the
+    environment's (reward.fn is not called). null: one response per prompt. In a notebook: sess.set_env(MyEnv)."""
+    max_turns: int | None = Field(None, ge=1)
+    """The model's turns per episode (null: the class's max_turns)."""
+    step_timeout_s: float = Field(30.0, gt=0)
+    """An environment step still running then ends its episode with an error (the batch goes on)."""
+
+
 _SECTIONS = {
     "run": RunConfig, "cluster": ClusterConfig, "task": TaskConfig, "model": ModelConfig, "data": DataConfig,
-    "rollout": RolloutConfig, "algo": AlgoConfig, "train": TrainConfig, "reward": RewardConfig,
+    "rollout": RolloutConfig, "algo": AlgoConfig, "train": TrainConfig, "reward": RewardConfig, "env": EnvConfig,
 }
 
 
@@ -446,10 +478,16 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     """Optimisation."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
     """Reward function."""
 
     @model_validator(mode="after")
     def _consistent(self):
+        if self.env.fn is not None and self.rollout.engine != "hf":
+            raise ValueError("env.fn runs episodes in the HF engine only (for now): set rollout.engine=hf")
+        if self.env.fn is not None and self.algo.advantage == "gae":
+            raise ValueError("env.fn with algo.advantage=gae: a critic's values on environment tokens are not "
+                             "supported yet; use grpo, rloo or reinforce_pp")
         if self.algo.advantage in ("grpo", "rloo") and self.rollout.n < 2:
             raise ValueError(f"algo.advantage={self.algo.advantage} compares samples of one prompt: "
                              "set rollout.n to 2 or more")

@@ -46,6 +46,7 @@ from .data.batch import Batch, trained_tokens
 from .data.datasets import PromptDataset, PromptSampler, read_rows, validate_rows
 from .data.tasks import load_task
 from .determinism import configure_process, sample_seeds
+from .envs import load_env
 from .errors import UsageError
 from .guard import SessionGuard, deferred_interrupts
 from .metrics import compute
@@ -101,6 +102,7 @@ class Session(WhatIf):
         self.test_data = self._dataset(cfg.data.test_path, self.task.test_rows, "test")
         self.sampler = PromptSampler(len(self.train_data), cfg.data.batch_size, cfg.run.seed, cfg.data.shuffle)
         self._reward_fn = self.task.verifier if cfg.reward.fn == "task" else load_reward_fn(cfg.reward.fn)
+        self._env_cls = load_env(cfg.env.fn) if cfg.env.fn else None  # multi-turn episodes (envs/)
         if self.task.reward_model_dir:  # before the run directory is claimed: a wrong folder costs nothing
             from .roles.reward_model import check_reward_model
             check_reward_model(str(self.task.reward_model_dir))
@@ -251,6 +253,10 @@ class Session(WhatIf):
         else:
             draw = ("rows", self.step_count, [r["prompt"] for r in rows])  # what encode reads
         batch = self.prompts.encode(rows, self.cfg.rollout.n, tag=f"s{self.step_count}")
+        if self._env_cls is not None:  # episodes: each env instance starts from its data row
+            t0 = time.perf_counter()
+            rows_in = batch.only("prompt", *batch.info.get("row_fields", ()))
+            return batch, self.groups["rollout"].submit_shards("generate_episodes", rows_in, self._env_cls), t0
         inputs = generate_inputs(batch)
         if self.cfg.run.deterministic:  # determinism.py: sampling seeded per draw, not by the engine's RNG
             inputs["sample_seed_B"] = sample_seeds(self.cfg.run.seed, draw, len(batch))
@@ -263,7 +269,12 @@ class Session(WhatIf):
 
     def _collect_rollout(self, started: tuple) -> Batch:
         batch, pending, t0 = started
-        batch = batch.replace(Batch.cat(self.groups["rollout"].collect(pending)))
+        parts = self.groups["rollout"].collect(pending)
+        if parts and "loss_mask_BR" in parts[0]:  # episodes: the environments' own prompts, several widths
+            from .roles.rollout.episodes import cat_episodes
+            batch = batch.replace(cat_episodes(parts, self.prompts.tokenizer.pad_token_id))
+        else:
+            batch = batch.replace(Batch.cat(parts))
         seconds = time.perf_counter() - t0
         if self.workers.rollout_sleeps():  # give the accelerator to the trainers until the next weight sync
             self.groups["rollout"].call("sleep")
@@ -289,7 +300,7 @@ class Session(WhatIf):
             with compute.timed(m, "time/score_s"):
                 # the critic's value pass beside the rewards, on its own workers (the seed's PPO: critic and
                 # reward model score in parallel); prepare reuses the values while the weights are the same
-                scored, (values,) = _finish_all(lambda: self._rewards(reward_inputs(batch)),
+                scored, (values,) = _finish_all(lambda: self._rewards(reward_inputs(batch), batch),
                                                 self._start_values(batch))
             out = batch.replace(scored)
             if values is not None:
@@ -318,9 +329,12 @@ class Session(WhatIf):
     def _has_current_values(self, batch: Batch) -> bool:
         return "values_BR" in batch and batch.info.get("values_epoch") == self.guard.epoch
 
-    def _rewards(self, inputs: Batch) -> Batch:
+    def _rewards(self, inputs: Batch, batch: Batch) -> Batch:
         """The rule function's scores, and with a reward model its scores too, computed at the same time on
-        their own workers and combined by weight (reward.rule_weight, reward.model.weight)."""
+        their own workers and combined by weight (reward.rule_weight, reward.model.weight). Episodes (env.fn)
+        carry their environment's rewards: those are the scores."""
+        if "env_scores_B" in batch:
+            return Batch({"scores_B": batch["env_scores_B"].float()}, {"reward_error": [""] * len(batch)})
         if "reward_model" not in self.groups:
             return self.groups["reward"].call_split("score", inputs)
         model_call = (self.groups["reward_model"], self.groups["reward_model"].submit_shards("score", inputs))
@@ -497,14 +511,21 @@ class Session(WhatIf):
 
     # ---- evaluation -----------------------------------------------------------------------------
     def evaluate(self, rows: list[dict] | None = None) -> dict:
-        """Greedy decoding on the held-out prompts; `eval/accuracy` is the share scoring the maximum 1.0."""
+        """Greedy decoding on the held-out prompts; `eval/accuracy` is the share scoring the maximum 1.0. With an
+        environment (env.fn), greedy episodes scored by it."""
         with self._phase("evaluate"):
             rows = rows if rows is not None else self.test_data.rows
             params = self.cfg.rollout.model_copy(update={"temperature": 0.0, "n": 1})
             batch = self.prompts.encode(rows, 1, tag="eval")
-            generated = self.groups["rollout"].call_split("generate", generate_inputs(batch), params)
-            batch = self.prompts.decode(batch.replace(generated))
-            scores = self.groups["reward"].call_split("score", reward_inputs(batch))["scores_B"]
+            if self._env_cls is not None:
+                rows_in = batch.only("prompt", *batch.info.get("row_fields", ()))
+                group = self.groups["rollout"]
+                parts = group.collect(group.submit_shards("generate_episodes", rows_in, self._env_cls, params))
+                scores = torch.cat([part["env_scores_B"] for part in parts])
+            else:
+                generated = self.groups["rollout"].call_split("generate", generate_inputs(batch), params)
+                batch = self.prompts.decode(batch.replace(generated))
+                scores = self.groups["reward"].call_split("score", reward_inputs(batch))["scores_B"]
             result = {"step": self.step_count, "eval/accuracy": (scores >= 1.0).float().mean().item(),
                       "eval/reward_mean": scores.mean().item(), "eval/n": len(rows)}
             self.metrics.log_eval(result)
@@ -523,6 +544,22 @@ class Session(WhatIf):
         return fn
 
     reward = set_reward  # as a decorator: @sess.reward
+
+    def set_env(self, env_cls) -> type:
+        """Run each rollout as a multi-turn episode with `env_cls` (an rlbench_nb.envs.Env subclass, e.g. one
+        written in a cell); None: back to single responses. Usable as a decorator: @sess.set_env."""
+        from .algos.custom import shippable
+        from .envs import check_env
+        if env_cls is not None:
+            check_env(env_cls, "set_env's argument")
+            shippable(env_cls, "environment class", "rollout workers")
+            if self.cfg.rollout.engine != "hf" or self.cfg.algo.advantage == "gae":
+                raise UsageError("environments run in the HF engine with grpo, rloo or reinforce_pp for now "
+                                 f"(this session: rollout.engine={self.cfg.rollout.engine}, "
+                                 f"algo.advantage={self.cfg.algo.advantage})")
+        with self._phase("set_env"):
+            self._env_cls = env_cls
+        return env_cls
 
     def _use_reward(self, fn: Callable[..., float]) -> None:
         self._reward_fn = fn

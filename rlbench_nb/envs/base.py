@@ -31,6 +31,23 @@ class Env:
         raise NotImplementedError(f"{type(self).__name__}.step(action_text) -> (observation, reward, done)")
 
 
+def load_env(spec: str) -> type[Env]:
+    """`env.fn`: 'module:Class' or 'path/file.py:Class' -> the Env subclass."""
+    from ..config import ConfigError, load_object
+    if ":" not in spec:
+        raise ConfigError(f"env.fn='{spec}' must be 'module:Class' or 'path/file.py:Class'")
+    cls = load_object(spec, "env.fn")
+    check_env(cls, f"env.fn='{spec}'")
+    return cls
+
+
+def check_env(cls, what: str) -> None:
+    from ..errors import UsageError
+    if not (isinstance(cls, type) and issubclass(cls, Env)):
+        raise UsageError(f"{what} is {cls!r}, not a subclass of rlbench_nb.envs.Env: write "
+                         "class MyEnv(Env) with reset(row) and step(action_text) (or ToolEnv with tools)")
+
+
 @dataclass
 class EnvStep:
     observation: str | None

@@ -27,7 +27,19 @@ def rollout_metrics(batch: Batch, seconds: float, max_new_tokens: int) -> dict:
             "throughput/rollout_tok_s": lens.sum().item() / max(seconds, 1e-9),
             "response_len/mean": lens.mean().item(), "response_len/max": lens.max().item(),
             "response_len/min": lens.min().item(),
-            "response_len/clip_frac": (lens >= max_new_tokens).float().mean().item()}
+            "response_len/clip_frac": (lens >= max_new_tokens).float().mean().item(),
+            **(episode_metrics(batch) if "num_turns_B" in batch else {})}
+
+
+def episode_metrics(batch: Batch) -> dict:
+    """Multi-turn episodes (env.fn): turns, tool calls and failures per episode; the share of their tokens the
+    model wrote (the rest are the environment's, with no loss on them)."""
+    return {"env/turns": batch["num_turns_B"].float().mean().item(),
+            "env/tool_calls": batch["tool_calls_B"].float().mean().item(),
+            "env/tool_errors": batch["tool_errors_B"].float().mean().item(),
+            "env/errors": sum(1 for e in batch["env_error"] if e),
+            "env/model_token_share":
+                (batch["loss_mask_BR"].sum() / batch["response_mask_BR"].sum().clamp(min=1)).item()}
 
 
 def reward_metrics(batch: Batch) -> dict:

@@ -11,14 +11,11 @@ Where the calls run is `rlbench_nb.isolation`: threads of this process, or a poo
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, RewardConfig
+from ..config import ConfigError, RewardConfig, load_object
 from ..data.batch import Batch
 from ..isolation import ProcessCalls, ThreadCalls
 from ..metrics.memory import memory_snapshot
@@ -30,20 +27,7 @@ def load_reward_fn(spec: str) -> RewardFn:
     """'module:function' or 'path/to/file.py:function' -> the function."""
     if ":" not in spec:
         raise ConfigError(f"reward.fn='{spec}' must be 'task', 'module:function' or 'path/file.py:function'")
-    where, name = spec.rsplit(":", 1)
-    try:
-        if where.endswith(".py"):
-            path = Path(where)
-            if not path.exists():
-                raise FileNotFoundError(f"file {path} does not exist")
-            mod_spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-        fn = getattr(module, name)
-    except (ImportError, AttributeError, FileNotFoundError) as e:
-        raise ConfigError(f"reward.fn='{spec}' could not be loaded: {e}") from None
+    fn = load_object(spec, "reward.fn")
     if not callable(fn):
         raise ConfigError(f"reward.fn='{spec}' is not callable")
     return fn

@@ -74,7 +74,7 @@ def test_model_and_tool_take_turns_token_in_token_out(taught):
         assert (out["rollout_logprobs_BR"][r, :len(call)] < 0).all()  # log-probs of drawn tokens (greedy: near 0)
     assert out["env_scores_B"].tolist() == [1.0, 1.0, 1.0] and out["num_turns_B"].tolist() == [2, 2, 2]
     assert out["tool_calls_B"].tolist() == [1, 1, 1] and out["tool_errors_B"].tolist() == [0, 0, 0]
-    assert out.info["env_errors"] == [None, None, None]
+    assert out["env_error"] == ["", "", ""]
 
 
 def test_a_failing_environment_ends_its_own_episode_only(taught):
@@ -90,7 +90,7 @@ def test_a_failing_environment_ends_its_own_episode_only(taught):
     t0 = time.perf_counter()
     out = _run(taught, [Flaky() for _ in rows], rows, timeout_s=0.5)
     assert time.perf_counter() - t0 < 4.0  # the hung step (6 s) was not waited for
-    assert out.info["env_errors"] == [None, "Flaky.step raised ConnectionError: sandbox gone",
+    assert out["env_error"] == ["", "Flaky.step raised ConnectionError: sandbox gone",
                                       "Flaky.step took longer than 0.5 s"]
     assert out["env_scores_B"].tolist() == [1.0, 0.0, 0.0]
     lengths = out["response_mask_BR"].sum(-1).tolist()
@@ -102,7 +102,7 @@ def test_an_observation_past_the_token_budget_ends_the_episode(taught):
     rows = [{"prompt": "12+3=", "answer": "15"}]
     out = _run(taught, [Calc()], rows, max_new_tokens=8)  # the call (6) + the result (3) do not fit in 8
     assert out["response_mask_BR"].sum().item() == 6 and out["loss_mask_BR"].sum().item() == 6
-    assert out.info["env_errors"] == ["the observation (3 tokens) does not fit the 2 tokens left"]
+    assert out["env_error"] == ["the observation (3 tokens) does not fit the 2 tokens left"]
 
 
 def test_the_model_reads_the_environments_tokens_as_the_trainer_will(taught):
@@ -176,3 +176,63 @@ def test_environment_tokens_get_no_gradient(small_cfg):
     on_model = batch.replace(**{k: torch.where(model_token, v, batch[k]) for k, v in noise.items()})
     loss, grads = loss_and_grads(on_model)
     assert not torch.equal(loss, base_loss) and not all(torch.equal(a, b) for a, b in zip(grads, base_grads))
+
+
+def _retry_env():
+    """An Env defined inside a function, as in a cell: a wrong first answer gets the question again
+    (environment tokens); right at once scores 1, right on the second try 0.5."""
+    from rlbench_nb.envs import Env
+
+    class Retry(Env):
+        max_turns = 2
+
+        def reset(self, row):
+            self.tries = 0
+            return super().reset(row)
+
+        def step(self, action_text):
+            self.tries += 1
+            if action_text.strip() == self.row["answer"]:
+                return None, 1.0 if self.tries == 1 else 0.5, True
+            return (" " + self.row["prompt"], 0.0, False) if self.tries == 1 else (None, 0.0, True)
+    return Retry
+
+
+def test_a_session_trains_on_episodes_from_an_environment_set_in_a_cell(small_cfg):
+    import rlbench_nb as rl
+    from rlbench_nb.errors import UsageError
+    with rl.Session(small_cfg("rollout.max_new_tokens=16")) as sess:
+        before = sess.rollout()
+        assert "loss_mask_BR" not in before  # no environment: single responses, as always
+        sess.set_env(_retry_env())
+        batch = sess.score(sess.rollout())
+        assert "loss_mask_BR" in batch and batch["scores_B"].tolist() == batch["env_scores_B"].tolist()
+        second = batch["num_turns_B"] == 2
+        assert second.any() and (batch["num_turns_B"] >= 1).all()
+        for r in second.nonzero().flatten().tolist():  # the question again, as environment tokens
+            env = (batch["response_mask_BR"][r] == 1) & (batch["loss_mask_BR"][r] == 0)
+            assert sess.prompts.tokenizer.decode(batch["response_ids_BR"][r][env]) == " " + batch["prompt"][r]
+        prepared = sess.prepare(batch)
+        assert (prepared["advantages_BR"][batch["loss_mask_BR"] == 0] == 0).all()
+        row = sess.step()
+        assert 1 <= row["env/turns"] <= 2 and 0 < row["env/model_token_share"] <= 1 and row["env/errors"] == 0
+        result = sess.evaluate(sess.test_data.rows[:8])  # greedy episodes, scored by the environment
+        assert result["eval/n"] == 8 and 0 <= result["eval/reward_mean"] <= 1
+        with pytest.raises(UsageError, match="not a subclass of rlbench_nb.envs.Env"):
+            sess.set_env(dict)
+        sess.set_env(None)
+        assert "loss_mask_BR" not in sess.rollout()
+
+
+def test_env_config_is_checked_before_anything_starts():
+    from rlbench_nb.config import ConfigError
+    from rlbench_nb.envs import load_env
+    with pytest.raises(ValueError, match="a critic's values on environment tokens are not supported yet"):
+        Config.load(None, ["env.fn=rlbench_nb.envs:ToolEnv", "algo.advantage=gae"])
+    with pytest.raises(ValueError, match="HF engine only"):
+        Config.load(None, ["env.fn=rlbench_nb.envs:ToolEnv", "rollout.engine=vllm"])
+    assert load_env("rlbench_nb.envs:ToolEnv") is ToolEnv
+    with pytest.raises(ConfigError, match="env.fn='rlbench_nb.envs:Nope' could not be loaded"):
+        load_env("rlbench_nb.envs:Nope")
+    with pytest.raises(Exception, match="not a subclass of rlbench_nb.envs.Env"):
+        load_env("rlbench_nb.envs:calculator")

@@ -10,7 +10,7 @@ twice. Output per row: `response_ids_BR` (the model's and the environment's toke
 `response_mask_BR` (every token of the episode: attention, and where it ends), `loss_mask_BR` (1 on the model's
 own tokens only), `rollout_logprobs_BR` (0 on environment tokens), `env_scores_B` (the steps' rewards summed),
 `num_turns_B`, `tool_calls_B`, `tool_errors_B`, and per row the reason an episode ended early
-(`info["env_errors"]`: a step that raised or hung, or an observation past the token budget).
+(`env_error`: a step that raised or hung, or an observation past the token budget; "" otherwise).
 """
 from __future__ import annotations
 
@@ -93,14 +93,13 @@ def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: Rollout
                        past_key_values=cache, use_cache=True).logits[:, -1]
         next_pos = next_pos + 1
     valid = (torch.arange(steps)[None, :] < torch.tensor(lengths)[:, None]).long()
-    out = Batch({"response_ids_BR": tokens[:, :steps], "response_mask_BR": valid,
+    return Batch({"response_ids_BR": tokens[:, :steps], "response_mask_BR": valid,
                  "loss_mask_BR": loss_mask[:, :steps] * valid, "rollout_logprobs_BR": logprobs[:, :steps] * valid,
                  "prompt_ids_BP": ids.cpu(), "prompt_mask_BP": prompt_mask,
                  "env_scores_B": torch.tensor(scores), "num_turns_B": torch.tensor(turns),
                  "tool_calls_B": torch.tensor([getattr(env, "calls", 0) for env in envs]),
-                 "tool_errors_B": torch.tensor([getattr(env, "errors", 0) for env in envs])})
-    out.info["env_errors"] = errors
-    return out
+                 "tool_errors_B": torch.tensor([getattr(env, "errors", 0) for env in envs])},
+                 {"env_error": [e or "" for e in errors]})
 
 
 def _take_steps(envs, ending: list[int], turn_text, turns, scores, errors, forced, tokenizer, pool,
@@ -127,3 +126,20 @@ def _take_steps(envs, ending: list[int], turn_text, turns, scores, errors, force
                 continue
             forced[r].extend(ids)
     return done
+
+
+def cat_episodes(parts: list[Batch], pad: int) -> Batch:
+    """Episodes from several ranks as one batch: prompts left-padded, responses right-padded to common widths."""
+    import torch.nn.functional as F
+    width_p = max(b["prompt_ids_BP"].shape[1] for b in parts)
+    width_r = max(b["response_ids_BR"].shape[1] for b in parts)
+    out = []
+    for b in parts:
+        b = b.replace()
+        for key in b.tensors:
+            if key.endswith("_BP"):
+                b[key] = F.pad(b[key], (width_p - b[key].shape[1], 0), value=pad if key == "prompt_ids_BP" else 0)
+            elif key.endswith("_BR"):
+                b[key] = F.pad(b[key], (0, width_r - b[key].shape[1]), value=pad if key == "response_ids_BR" else 0)
+        out.append(b)
+    return Batch.cat(out)

@@ -90,10 +90,10 @@ class HFRolloutWorker(RolloutWorker):
                       "rollout_logprobs_BR": logprobs[:, :steps].cpu()})
 
     @torch.no_grad()
-    def generate_episodes(self, rows: list[dict], env_cls, params: RolloutConfig | None = None,
-                          step_timeout_s: float = 30.0) -> Batch:
-        """One multi-turn episode per row with a fresh `env_cls()` each (rows already repeated n times per
-        prompt): model and environment take turns, token in, token out (episodes.py)."""
+    def generate_episodes(self, rows: Batch | list[dict], env_cls, params: RolloutConfig | None = None) -> Batch:
+        """One multi-turn episode per row (rows already repeated n times per prompt; a Batch's non-tensor fields
+        are the rows), each with a fresh `env_cls()`: model and environment take turns, token in, token out
+        (episodes.py). `env.max_turns` and `env.step_timeout_s` come from the config."""
         import concurrent.futures
 
         from transformers import AutoTokenizer
@@ -103,8 +103,14 @@ class HFRolloutWorker(RolloutWorker):
         if getattr(self, "_tokenizer", None) is None:
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
             self._env_pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="rlbench-env")
-        return run_episodes(self.model, self._tokenizer, [env_cls() for _ in rows], rows, params or self.cfg.rollout,
-                            self._sample, self._env_pool, step_timeout_s)
+        if isinstance(rows, Batch):
+            rows = [dict(zip(rows.meta, values)) for values in zip(*rows.meta.values())]
+        envs = [env_cls() for _ in rows]
+        if self.cfg.env.max_turns:
+            for env in envs:
+                env.max_turns = self.cfg.env.max_turns
+        return run_episodes(self.model, self._tokenizer, envs, rows, params or self.cfg.rollout, self._sample,
+                            self._env_pool, self.cfg.env.step_timeout_s)
 
     @staticmethod
     def _sample(logits_BV: torch.Tensor, p: RolloutConfig,
