@@ -478,16 +478,20 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     """Optimisation."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
-    env: EnvConfig = Field(default_factory=EnvConfig)
     """Reward function."""
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """Multi-turn environment (episodes instead of single responses)."""
 
     @model_validator(mode="after")
     def _consistent(self):
         if self.env.fn is not None and self.rollout.engine != "hf":
             raise ValueError("env.fn runs episodes in the HF engine only (for now): set rollout.engine=hf")
-        if self.env.fn is not None and self.algo.advantage == "gae":
-            raise ValueError("env.fn with algo.advantage=gae: a critic's values on environment tokens are not "
-                             "supported yet; use grpo, rloo or reinforce_pp")
+        if self.env.fn is not None and self.algo.advantage not in ("grpo", "rloo"):
+            raise ValueError(f"env.fn with algo.advantage={self.algo.advantage}: per-token returns across "
+                             "environment tokens are not supported yet; use grpo or rloo")
+        if self.env.fn is not None and self.run.deterministic:
+            raise ValueError("env.fn with run.deterministic: episodes are not seeded per draw yet; set "
+                             "run.deterministic=false")
         if self.algo.advantage in ("grpo", "rloo") and self.rollout.n < 2:
             raise ValueError(f"algo.advantage={self.algo.advantage} compares samples of one prompt: "
                              "set rollout.n to 2 or more")

@@ -179,6 +179,7 @@ def rollout_rows(batch: Batch) -> list[dict]:
     p_ids, p_mask = batch["prompt_ids_BP"], batch["prompt_mask_BP"].bool()
     r_ids, r_mask = batch["response_ids_BR"], batch["response_mask_BR"].bool()
     logprobs = batch.get("rollout_logprobs_BR")
+    loss_mask = batch.get("loss_mask_BR")  # episodes: which response tokens the model wrote
     widths = [p_ids.shape[1], r_ids.shape[1]]
     pad = int(p_ids[~p_mask][0]) if (~p_mask).any() else None
     for i, row in enumerate(rows):
@@ -186,6 +187,8 @@ def rollout_rows(batch: Batch) -> list[dict]:
                   "widths": widths, "pad": pad}
         if logprobs is not None:
             tokens["logprobs"] = logprobs[i][r_mask[i]].tolist()  # float32 -> JSON -> float32 is exact
+        if loss_mask is not None:
+            tokens["loss_mask"] = loss_mask[i][r_mask[i]].tolist()
         row[TOKENS] = tokens
     return rows
 
@@ -217,6 +220,9 @@ def load_rollouts(path: str | Path, pad_id: int | None = None) -> Batch:
     has_logprobs = all("logprobs" in r[TOKENS] for r in rows)
     if has_logprobs:
         tensors["rollout_logprobs_BR"] = torch.zeros(B, R, dtype=torch.float32)
+    has_loss_mask = any("loss_mask" in r[TOKENS] for r in rows)
+    if has_loss_mask:
+        tensors["loss_mask_BR"] = torch.zeros(B, R, dtype=torch.long)
     for i, r in enumerate(rows):
         t = r[TOKENS]
         n, m = len(t["prompt"]), len(t["response"])
@@ -226,6 +232,8 @@ def load_rollouts(path: str | Path, pad_id: int | None = None) -> Batch:
         tensors["response_mask_BR"][i, :m] = 1
         if has_logprobs:
             tensors["rollout_logprobs_BR"][i, :m] = torch.tensor(t["logprobs"], dtype=torch.float32)
+        if has_loss_mask:
+            tensors["loss_mask_BR"][i, :m] = torch.tensor(t.get("loss_mask", [1] * m), dtype=torch.long)
     tensors["response_len_B"] = tensors["response_mask_BR"].sum(-1)
     known = set(SHOWN_FIELDS) | {"group", TOKENS}
     row_fields = sorted({k for r in rows for k in r} - known)

@@ -390,7 +390,7 @@ class Session(WhatIf):
             out["token_rewards_BR"], out["advantages_BR"] = rewards, adv
             if returns is not None:
                 out["returns_BR"] = returns
-            out["advantage"] = sequence_advantage(adv, mask).tolist()
+            out["advantage"] = sequence_advantage(adv, trained).tolist()
             seconds = time.perf_counter() - t0
             m.update({"time/prepare_s": seconds, **compute.advantage_metrics(out),
                       **compute.throughput(out, "prepare", seconds)})
@@ -553,10 +553,12 @@ class Session(WhatIf):
         if env_cls is not None:
             check_env(env_cls, "set_env's argument")
             shippable(env_cls, "environment class", "rollout workers")
-            if self.cfg.rollout.engine != "hf" or self.cfg.algo.advantage == "gae":
-                raise UsageError("environments run in the HF engine with grpo, rloo or reinforce_pp for now "
-                                 f"(this session: rollout.engine={self.cfg.rollout.engine}, "
-                                 f"algo.advantage={self.cfg.algo.advantage})")
+            if (self.cfg.rollout.engine != "hf" or self.cfg.algo.advantage not in ("grpo", "rloo")
+                    or self.cfg.run.deterministic):
+                raise UsageError("environments run in the HF engine with grpo or rloo, without run.deterministic, "
+                                 f"for now (this session: rollout.engine={self.cfg.rollout.engine}, "
+                                 f"algo.advantage={self.cfg.algo.advantage}, "
+                                 f"run.deterministic={self.cfg.run.deterministic})")
         with self._phase("set_env"):
             self._env_cls = env_cls
         return env_cls

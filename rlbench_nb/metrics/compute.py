@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import torch
 
 from ..algos import masked_mean
-from ..data.batch import Batch
+from ..data.batch import Batch, trained_tokens
 
 
 @contextmanager
@@ -75,7 +75,7 @@ def model_vs_rule(batch: Batch) -> dict:
 
 
 def advantage_metrics(batch: Batch) -> dict:
-    adv, mask = batch["advantages_BR"], batch["response_mask_BR"].float()
+    adv, mask = batch["advantages_BR"], trained_tokens(batch).float()
     out = {"advantage/mean": masked_mean(adv, mask).item(), "advantage/abs_max": (adv.abs() * mask).max().item()}
     if "values_BR" in batch:
         out["critic/values_mean"] = masked_mean(batch["values_BR"], mask).item()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 def overlap_fraction(groups: dict, since: float) -> float:
     """Share of rollout 'generate' time during which another role was working (from the call records)."""
-    gen = [(r.start, r.end) for r in groups["rollout"].records if r.method == "generate" and r.start >= since]
+    gen = [(r.start, r.end) for r in groups["rollout"].records
+           if r.method in ("generate", "generate_episodes") and r.start >= since]
     others = [(r.start, r.end) for role, g in groups.items() if role != "rollout" for r in g.records
               if r.start >= since and r.method in ("update", "compute_logprobs", "compute_values", "score")]
     total = sum(e - s for s, e in gen)

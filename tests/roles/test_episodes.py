@@ -214,6 +214,12 @@ def test_a_session_trains_on_episodes_from_an_environment_set_in_a_cell(small_cf
             assert sess.prompts.tokenizer.decode(batch["response_ids_BR"][r][env]) == " " + batch["prompt"][r]
         prepared = sess.prepare(batch)
         assert (prepared["advantages_BR"][batch["loss_mask_BR"] == 0] == 0).all()
+        import json
+
+        from rlbench_nb.rundir import load_rollouts, rollout_rows
+        path = sess.run_dir / "episodes.jsonl"  # a rollout file keeps which tokens were the environment's
+        path.write_text("".join(json.dumps(r) + "\n" for r in rollout_rows(prepared)))
+        assert torch.equal(load_rollouts(path)["loss_mask_BR"], batch["loss_mask_BR"])
         row = sess.step()
         assert 1 <= row["env/turns"] <= 2 and 0 < row["env/model_token_share"] <= 1 and row["env/errors"] == 0
         result = sess.evaluate(sess.test_data.rows[:8])  # greedy episodes, scored by the environment
@@ -227,8 +233,11 @@ def test_a_session_trains_on_episodes_from_an_environment_set_in_a_cell(small_cf
 def test_env_config_is_checked_before_anything_starts():
     from rlbench_nb.config import ConfigError
     from rlbench_nb.envs import load_env
-    with pytest.raises(ValueError, match="a critic's values on environment tokens are not supported yet"):
-        Config.load(None, ["env.fn=rlbench_nb.envs:ToolEnv", "algo.advantage=gae"])
+    for advantage in ("gae", "reinforce_pp"):
+        with pytest.raises(ValueError, match=f"algo.advantage={advantage}: per-token returns across environment"):
+            Config.load(None, ["env.fn=rlbench_nb.envs:ToolEnv", f"algo.advantage={advantage}"])
+    with pytest.raises(ValueError, match="episodes are not seeded per draw yet"):
+        Config.load(None, ["env.fn=rlbench_nb.envs:ToolEnv", "run.deterministic=true"])
     with pytest.raises(ValueError, match="HF engine only"):
         Config.load(None, ["env.fn=rlbench_nb.envs:ToolEnv", "rollout.engine=vllm"])
     assert load_env("rlbench_nb.envs:ToolEnv") is ToolEnv

@@ -26,17 +26,20 @@ from ...envs import Env, run_steps
 
 @torch.no_grad()
 def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: RolloutConfig, sample,
-                 pool: concurrent.futures.Executor, step_timeout_s: float,
-                 gen: torch.Generator | None = None) -> Batch:
-    """One episode per (env, row): `env.reset(row)` is the prompt; then model and environment take turns until
-    the environment says done, `env.max_turns` model turns were taken, or `p.max_new_tokens` tokens (the model's
-    and the environment's together) are spent. `sample(logits, p, gen) -> (tokens, logprobs)` is the engine's
-    sampler."""
+                 pool: concurrent.futures.Executor, step_timeout_s: float, gen: torch.Generator | None = None, *,
+                 prompt_ids=None, eos: int | None = None, pad: int | None = None) -> Batch:
+    """One episode per (env, row): `env.reset(row)` is the prompt (`prompt_ids(text)` encodes it: the session's
+    own encoding, chat template included; default: the plain tokens); then model and environment take turns
+    until the environment says done, `env.max_turns` model turns were taken, or `p.max_new_tokens` tokens (the
+    model's and the environment's together) are spent. `sample(logits, p, gen) -> (tokens, logprobs)` is the
+    engine's sampler."""
     from transformers import DynamicCache
     device = next(model.parameters()).device
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos = tokenizer.eos_token_id if eos is None else eos
+    pad = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos) if pad is None else pad
+    encode = prompt_ids or (lambda text: tokenizer.encode(text, add_special_tokens=False))
     B, R = len(envs), p.max_new_tokens
-    prompts = [tokenizer.encode(env.reset(row), add_special_tokens=False) for env, row in zip(envs, rows)]
+    prompts = [encode(env.reset(row)) for env, row in zip(envs, rows)]
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts], device=device)  # left padding
     attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts], device=device)
@@ -46,7 +49,8 @@ def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: Rollout
     loss_mask = torch.zeros((B, R), dtype=torch.long)
     lengths = [R] * B
     forced: list[deque[int]] = [deque() for _ in range(B)]
-    turn_text, turns = [""] * B, [0] * B
+    turn_ids: list[list[int]] = [[] for _ in range(B)]  # the model's current turn, decoded whole (not token by token)
+    turns = [0] * B
     scores, errors = [0.0] * B, [None] * B
     rows_left = list(range(B))                       # batch row of each sequence still running
     next_pos = attn.sum(-1, keepdim=True)
@@ -66,13 +70,14 @@ def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: Rollout
             if tok[i] == eos:
                 ending.append(i)
                 continue
-            turn_text[r] += tokenizer.decode([int(tok[i])])
-            if any(turn_text[r].endswith(s) for s in envs[r].stop_strings):
+            turn_ids[r].append(int(tok[i]))
+            stops = envs[r].stop_strings
+            if stops and any(s in tokenizer.decode(turn_ids[r]) for s in stops):  # a stop string may share a token
                 ending.append(i)
         tokens[rows_left, t], logprobs[rows_left, t] = tok, logp
         if t == R - 1:  # the budget is spent: a turn cut short is scored as it stands
-            ending = [i for i, r in enumerate(rows_left) if not forced[r] and (i in ending or turn_text[r])]
-        done = _take_steps(envs, [rows_left[i] for i in ending], turn_text, turns, scores, errors, forced,
+            ending = [i for i, r in enumerate(rows_left) if not forced[r] and (i in ending or turn_ids[r])]
+        done = _take_steps(envs, [rows_left[i] for i in ending], turn_ids, turns, scores, errors, forced,
                            tokenizer, pool, step_timeout_s, room=R - t - 1)
         if t == R - 1:
             break
@@ -102,17 +107,18 @@ def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: Rollout
                  {"env_error": [e or "" for e in errors]})
 
 
-def _take_steps(envs, ending: list[int], turn_text, turns, scores, errors, forced, tokenizer, pool,
+def _take_steps(envs, ending: list[int], turn_ids, turns, scores, errors, forced, tokenizer, pool,
                 step_timeout_s: float, room: int) -> set[int]:
     """The environment's answer to each row in `ending` (batch rows whose model turn just ended); queues the
     observations' ids. Returns the rows whose episode is over."""
     done: set[int] = set()
     if not ending:
         return done
-    for r, step in zip(ending, run_steps([(envs[r], turn_text[r]) for r in ending], pool, step_timeout_s)):
+    texts = [tokenizer.decode(turn_ids[r]) for r in ending]
+    for r, step in zip(ending, run_steps([(envs[r], text) for r, text in zip(ending, texts)], pool, step_timeout_s)):
         turns[r] += 1
         scores[r] += step.reward
-        turn_text[r] = ""
+        turn_ids[r] = []
         if step.error:
             errors[r] = step.error
         if step.done or step.error or turns[r] >= envs[r].max_turns or room <= 0:

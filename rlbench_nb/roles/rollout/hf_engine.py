@@ -98,19 +98,31 @@ class HFRolloutWorker(RolloutWorker):
 
         from transformers import AutoTokenizer
 
-        from .episodes import run_episodes
+        from ...prompts import PromptCodec
+        from .episodes import cat_episodes, run_episodes
         self._mark()
-        if getattr(self, "_tokenizer", None) is None:
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        if getattr(self, "_codec", None) is None:  # the session's prompt encoding (chat template, BOS, pad)
+            self._codec = PromptCodec(AutoTokenizer.from_pretrained(self.model_dir), self.cfg.data)
             self._env_pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="rlbench-env")
         if isinstance(rows, Batch):
             rows = [dict(zip(rows.meta, values)) for values in zip(*rows.meta.values())]
-        envs = [env_cls() for _ in rows]
-        if self.cfg.env.max_turns:
-            for env in envs:
-                env.max_turns = self.cfg.env.max_turns
-        return run_episodes(self.model, self._tokenizer, envs, rows, params or self.cfg.rollout, self._sample,
-                            self._env_pool, self.cfg.env.step_timeout_s)
+        p = params or self.cfg.rollout
+        limit = self.cfg.data.max_prompt_len
+
+        def prompt_ids(text: str) -> list[int]:
+            return self._codec.prompt_ids(text)[-limit:]  # an observation past data.max_prompt_len keeps its end
+
+        parts = []
+        for start in range(0, len(rows), p.micro_batch_size):  # as generate: one KV cache per micro-batch
+            chunk = rows[start:start + p.micro_batch_size]
+            envs = [env_cls() for _ in chunk]
+            if self.cfg.env.max_turns:
+                for env in envs:
+                    env.max_turns = self.cfg.env.max_turns
+            parts.append(run_episodes(self.model, self._codec.tokenizer, envs, chunk, p, self._sample,
+                                      self._env_pool, self.cfg.env.step_timeout_s, prompt_ids=prompt_ids,
+                                      eos=self.eos, pad=self.pad))
+        return cat_episodes(parts, self.pad)
 
     @staticmethod
     def _sample(logits_BV: torch.Tensor, p: RolloutConfig,
