@@ -89,8 +89,8 @@ def _run_notebook(run_dir, overrides, extra_cell: str | None = None):
 
 
 def _final_weights(run_dir) -> str:
-    from safetensors.torch import load_file
-    w = load_file(str(run_dir / "checkpoints" / f"step_{STEPS}" / "policy" / "model.safetensors"))
+    from rlbench_nb.roles.shards import whole_tensors  # the two ranks' shards, joined
+    w = whole_tensors(run_dir / "checkpoints" / f"step_{STEPS}" / "policy")
     return hashlib.sha256(b"".join(k.encode() + w[k].numpy().tobytes() for k in sorted(w))).hexdigest()
 
 
