@@ -73,14 +73,14 @@ def stored(folder: Path) -> dict:
     return meta
 
 
-def load_tensors_into(folder: Path, target: dict[str, torch.Tensor]) -> None:
+def load_tensors_into(folder: Path, target: dict[str, torch.Tensor], meta: dict | None = None) -> None:
     """Fill `target` ({name: tensor or DTensor} in this rank's layout) in place from the safetensors files in
     `folder`, whatever layout wrote them. A name the files lack, or a shape they disagree on, is an error
-    naming it."""
+    naming it. `meta`: what `stored(folder)` returned, when the caller has read it already."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.api import CheckpointException
-    meta = stored(folder)
+    meta = stored(folder) if meta is None else meta
     for name, value in target.items():
         if name not in meta:
             raise CheckpointError(f"the tensors in {folder} do not fit this model (no {name}): load it with the "
@@ -110,8 +110,9 @@ def _cause(e: BaseException) -> str:
 def whole_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor in `folder` whole, on the CPU, however many ranks wrote it (for a model folder of one's own:
     `rlbench-nb weights`). Its shapes and dtypes come from the files' headers."""
-    state = {name: torch.empty(m.size, dtype=m.properties.dtype) for name, m in stored(folder).items()}
-    load_tensors_into(folder, state)
+    meta = stored(folder)
+    state = {name: torch.empty(m.size, dtype=m.properties.dtype) for name, m in meta.items()}
+    load_tensors_into(folder, state, meta)
     return state
 
 
@@ -177,7 +178,7 @@ def load_optimizer(model, optimizer, folder: Path) -> None:
         raise CheckpointError(f"the optimizer state in {folder} is for other weights than this model trains "
                               f"({len(saved)} tensors saved, {len(flat)} here): load it with the config it was "
                               "saved with")
-    load_tensors_into(folder, flat)
+    load_tensors_into(folder, flat, saved)
     state: dict[str, dict] = {}
     for key, value in flat.items():
         name, _, field = key.rpartition("/")

@@ -72,8 +72,10 @@ def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: Rollout
                 continue
             turn_ids[r].append(int(tok[i]))
             stops = envs[r].stop_strings
-            if stops and any(s in tokenizer.decode(turn_ids[r]) for s in stops):  # a stop string may share a token
-                ending.append(i)
+            if stops:  # the turn's tail decoded whole: a stop string may share a token with the text around it
+                tail = tokenizer.decode(turn_ids[r][-(max(map(len, stops)) + 1):])
+                if any(s in tail for s in stops):
+                    ending.append(i)
         tokens[rows_left, t], logprobs[rows_left, t] = tok, logp
         if t == R - 1:  # the budget is spent: a turn cut short is scored as it stands
             ending = [i for i, r in enumerate(rows_left) if not forced[r] and (i in ending or turn_ids[r])]
