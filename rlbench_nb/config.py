@@ -186,8 +186,10 @@ class ClusterConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["arithmetic"] = "arithmetic"
-    """Built-in offline task: prompts, verifier, warm-start model."""
+    name: Literal["arithmetic", "tool_arith"] = "arithmetic"
+    """Built-in offline task: prompts, verifier, warm-start model. tool_arith: the same prompts (bigger operands in
+    configs/arith_tool_grpo.yaml), a model warm-started on episodes that may call a calculator (env.fn:
+    rlbench_nb.data.tasks.tool_arith:CalculatorEnv)."""
     max_operand: int = Field(49, ge=1, le=9999)
     """Operands are drawn from [0, max_operand]."""
     ops: str = Field("+", min_length=1)
@@ -206,6 +208,9 @@ class TaskConfig(_Section):
     """Learning rate of the warm start (decays linearly to 0 over task.warm_start_steps)."""
     warm_start_batch: int = Field(64, ge=1)
     """Batch size of the warm start."""
+    tool_share: float = Field(0.3, ge=0, le=1)
+    """tool_arith: share of the warm start's examples that call the calculator (the rest answer directly). Its
+    stopping rule (task.warm_start_target) measures the calls: given an opened call, the call and answer right."""
 
     @model_validator(mode="after")
     def _ops_known(self):
@@ -484,6 +489,9 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _consistent(self):
+        if self.task.name == "tool_arith" and self.env.fn is None and self.data.train_path is None:
+            raise ValueError("task.name=tool_arith is a tool task: its episodes need an environment; set "
+                             "env.fn=rlbench_nb.data.tasks.tool_arith:CalculatorEnv (or your own)")
         if self.env.fn is not None and self.rollout.engine != "hf":
             raise ValueError("env.fn runs episodes in the HF engine only (for now): set rollout.engine=hf")
         if self.env.fn is not None and self.algo.advantage not in ("grpo", "rloo"):

@@ -240,6 +240,11 @@ def load_rollouts(path: str | Path, pad_id: int | None = None) -> Batch:
     meta = {"prompt": [r["prompt"] for r in rows], "response": [r["response"] for r in rows],
             "group": [r.get("group", f"row-{i}") for i, r in enumerate(rows)],
             **{k: [r.get(k) for r in rows] for k in row_fields}}
+    for shown, field in (("turns", "num_turns_B"), ("tool_calls", "tool_calls_B")):  # episodes
+        if all(r.get(shown) is not None for r in rows):
+            tensors[field] = torch.tensor([int(r[shown]) for r in rows])
+    if any("env_error" in r for r in rows):
+        meta["env_error"] = [r.get("env_error") or "" for r in rows]
     if all("reward" in r for r in rows):
         tensors["scores_B"] = torch.tensor([float(r["reward"]) for r in rows], dtype=torch.float32)
         meta["reward_error"] = [r.get("reward_error") for r in rows]

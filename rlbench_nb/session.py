@@ -512,7 +512,7 @@ class Session(WhatIf):
     # ---- evaluation -----------------------------------------------------------------------------
     def evaluate(self, rows: list[dict] | None = None) -> dict:
         """Greedy decoding on the held-out prompts; `eval/accuracy` is the share scoring the maximum 1.0. With an
-        environment (env.fn), greedy episodes scored by it."""
+        environment (env.fn), greedy episodes scored by it; `eval/tool_use`: the share that called a tool."""
         with self._phase("evaluate"):
             rows = rows if rows is not None else self.test_data.rows
             params = self.cfg.rollout.model_copy(update={"temperature": 0.0, "n": 1})
@@ -522,12 +522,15 @@ class Session(WhatIf):
                 group = self.groups["rollout"]
                 parts = group.collect(group.submit_shards("generate_episodes", rows_in, self._env_cls, params))
                 scores = torch.cat([part["env_scores_B"] for part in parts])
+                called = torch.cat([part["tool_calls_B"] for part in parts]) > 0
+                extra = {"eval/tool_use": called.float().mean().item()}
             else:
+                extra = {}
                 generated = self.groups["rollout"].call_split("generate", generate_inputs(batch), params)
                 batch = self.prompts.decode(batch.replace(generated))
                 scores = self.groups["reward"].call_split("score", reward_inputs(batch))["scores_B"]
             result = {"step": self.step_count, "eval/accuracy": (scores >= 1.0).float().mean().item(),
-                      "eval/reward_mean": scores.mean().item(), "eval/n": len(rows)}
+                      "eval/reward_mean": scores.mean().item(), "eval/n": len(rows), **extra}
             self.metrics.log_eval(result)
             return result
 

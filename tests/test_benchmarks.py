@@ -20,6 +20,8 @@ from .conftest import REPO
     pytest.param("benchmarks/multinode_learning.py", [  # the built-in RM of test_reward_model's small task (cached)
         "--steps", "1", "task.num_train=300", "task.num_test=40", "data.batch_size=8", "rollout.n=4",
         "run.eval_every=0"], marks=pytest.mark.slow),
+    pytest.param("benchmarks/episodes.py", ["--repeats", "1", "--prompts", "2"],  # the tool task's warm start
+                 marks=pytest.mark.slow),
     ("benchmarks/logprob_memory.py", ["--tokens", "64", "--vocab", "1000", "--hidden", "32"]),
     ("benchmarks/rollout_throughput.py", ["--sizes", "tiny", "--engines", "plain", "hf", "--repeats", "1"]),
     ("benchmarks/gpu_smoke.py", ["--tiny", "--steps", "1"]),

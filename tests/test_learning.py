@@ -43,3 +43,18 @@ def test_grpo_with_the_vllm_engine_learns(tmp_path):
     with rl.Session(cfg) as sess:
         summary = sess.run(progress=False)
     assert summary["reward_last"] - summary["reward_first"] >= 0.10, summary
+
+
+@pytest.mark.slow
+def test_the_tool_task_learns_to_call_the_calculator(tmp_path):
+    """configs/arith_tool_grpo.yaml (4-digit sums, a calculator tool, 60 GRPO steps), seed 0. Measured on this
+    2-core Xeon, seeds 0/1/2: held-out 0.464 -> 0.938 / 0.938 / 0.930, greedy episodes calling the tool
+    0.55 -> 1.0, ~20 s of training after a ~30 s warm start. The issue's bar is +0.15 and a rising tool share."""
+    cfg = rl.Config.load(REPO / "configs/arith_tool_grpo.yaml", [f"run.dir={tmp_path}", "run.tensorboard=false"])
+    with rl.Session(cfg) as sess:
+        summary = sess.run(progress=False)
+    assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.15, summary
+    evals = [r for r in rl.metrics.read_jsonl(sess.run_dir / "metrics.jsonl") if "eval/tool_use" in r]
+    assert evals[-1]["eval/tool_use"] >= evals[0]["eval/tool_use"] + 0.15, evals
+    train = [r for r in rl.metrics.read_jsonl(sess.run_dir / "metrics.jsonl") if "env/tool_use" in r]
+    assert sum(r["env/tool_use"] for r in train[-5:]) / 5 >= sum(r["env/tool_use"] for r in train[:5]) / 5 + 0.15

@@ -67,3 +67,20 @@ def test_what_if_notebook_replays_forks_compares_and_keeps_one(tmp_path):
     kept = re.search(r"kept (lr-5e-5|lr-4e-4): step 4, held-out accuracy [\d.]+, lr (5e-05|0.0004)", text)
     assert kept and {"lr-5e-5": "5e-05", "lr-4e-4": "0.0004"}[kept.group(1)] == kept.group(2)
     assert (tmp_path / "branches" / "lr-5e-5" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow  # the tool task's warm start (~30 s, shared with the other tool tests) and 20 steps
+def test_tools_notebook_finds_the_broken_tool_fixes_it_and_trains(tmp_path):
+    text = execute("05_tools.ipynb", f"steps = 20\nrun_dir = {str(tmp_path)!r}\n"
+                                     f"overrides = {['run.tensorboard=false', 'task.num_test=200']!r}")
+    called, total, wrong = map(int, re.search(r"(\d+) of (\d+) episodes called the tool; (\d+) of them scored 0",
+                                              text).groups())
+    assert total == 128 and 0 < called == wrong  # the tool subtracts: every episode that trusted it is wrong
+    assert re.search(r"      model: <call>\d+\+\d+</call>\nenvironment: <result>-?\d+</result>\n      model: -?\d+",
+                     text)  # the episode turn by turn: the call, the tool's (wrong) result, the copied answer
+    right, fixed_calls = map(int, re.search(r"after the fix: (\d+) of (\d+) episodes", text).groups())
+    assert right >= 0.7 * fixed_calls > 0
+    m = re.search(r"held-out accuracy ([\d.]+) -> ([\d.]+); greedy episodes calling the tool ([\d.]+) -> ([\d.]+)",
+                  text)
+    before, after, use_before, use_after = map(float, m.groups())
+    assert after >= before + 0.15 and use_after > use_before

@@ -7,7 +7,8 @@ from the signature) by writing a call between tags, and each call's result, or i
 observation. `run_step` is how a rollout worker calls an environment: a step that raises or overruns its
 time becomes an error, never a dead batch.
 """
-from .base import Env, EnvStep, check_env, load_env, run_step, run_steps
+from .base import Env, EnvStep, ThreadPerCall, check_env, load_env, run_step, run_steps
 from .tools import Tool, ToolEnv, calculator
 
-__all__ = ["Env", "EnvStep", "check_env", "load_env", "Tool", "ToolEnv", "calculator", "run_step", "run_steps"]
+__all__ = ["Env", "EnvStep", "check_env", "load_env", "Tool", "ToolEnv", "calculator", "run_step", "run_steps",
+           "ThreadPerCall"]

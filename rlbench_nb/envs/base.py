@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from dataclasses import dataclass
 
@@ -46,6 +47,25 @@ def check_env(cls, what: str) -> None:
     if not (isinstance(cls, type) and issubclass(cls, Env)):
         raise UsageError(f"{what} is {cls!r}, not a subclass of rlbench_nb.envs.Env: write "
                          "class MyEnv(Env) with reset(row) and step(action_text) (or ToolEnv with tools)")
+
+
+class ThreadPerCall(concurrent.futures.Executor):
+    """Runs each call on a (daemon) thread of its own. A call that hangs holds only its own thread: in a fixed
+    pool it would hold a slot, and the calls queued behind it would run out their timeouts waiting."""
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run():
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 — handed to whoever waits on the future
+                future.set_exception(e)
+
+        threading.Thread(target=run, daemon=True, name=f"rlbench-call-{getattr(fn, '__name__', 'fn')}").start()
+        return future
 
 
 @dataclass

@@ -17,23 +17,12 @@ import ast
 import concurrent.futures
 import json
 import operator
-import threading
 from collections.abc import Callable
 
 from ..errors import UsageError
-from .base import Env
+from .base import Env, ThreadPerCall
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _tool_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """One pool per process for tool calls (a hung call holds one thread until it returns)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rlbench-tool")
-        return _POOL
+_CALLS = ThreadPerCall()  # a hung tool call holds its own thread, not a slot the next calls wait for
 
 
 class Tool:
@@ -106,7 +95,7 @@ class ToolEnv(Env):
             tool, arguments = self._parse(text.strip())
         except ValueError as e:
             return str(e), True
-        future = _tool_pool().submit(tool, **arguments)
+        future = _CALLS.submit(tool, **arguments)
         try:
             return str(future.result(timeout=self.tool_timeout_s)), False
         except concurrent.futures.TimeoutError:

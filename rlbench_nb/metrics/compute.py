@@ -32,10 +32,11 @@ def rollout_metrics(batch: Batch, seconds: float, max_new_tokens: int) -> dict:
 
 
 def episode_metrics(batch: Batch) -> dict:
-    """Multi-turn episodes (env.fn): turns, tool calls and failures per episode; the share of their tokens the
-    model wrote (the rest are the environment's, with no loss on them)."""
+    """Multi-turn episodes (env.fn): turns, tool calls and failures per episode, the share of episodes that
+    called a tool; the share of their tokens the model wrote (the rest are the environment's, with no loss on them)."""
     return {"env/turns": batch["num_turns_B"].float().mean().item(),
             "env/tool_calls": batch["tool_calls_B"].float().mean().item(),
+            "env/tool_use": (batch["tool_calls_B"] > 0).float().mean().item(),
             "env/tool_errors": batch["tool_errors_B"].float().mean().item(),
             "env/errors": sum(1 for e in batch["env_error"] if e),
             "env/model_token_share":

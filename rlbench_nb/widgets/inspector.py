@@ -2,14 +2,17 @@
 
 A table of samples (prompt, response, reward, advantage, length, reward error) that sorts and filters
 (`reward == 0`, `length > 3`, `response contains 7`), and a token view of one response coloured by
-log-prob, KL to the reference, or advantage. Rollout content is only ever shown as escaped text, never
-executed or rendered as HTML.
+log-prob, KL to the reference, or advantage. A multi-turn episode (a batch with `loss_mask_BR`) shows turn by
+turn: the model's turns coloured, the environment's (tool results) as plain grey text, and the episode's reward,
+turns and tool calls below. Rollout content is only ever shown as escaped text, never executed or rendered as
+HTML.
 """
 from __future__ import annotations
 
 import html
 import json
 import operator
+from itertools import groupby
 from pathlib import Path
 
 from ..errors import UsageError
@@ -17,6 +20,7 @@ from ..errors import UsageError
 OPS = {"==": operator.eq, "!=": operator.ne, ">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le,
        "contains": lambda a, b: str(b) in str(a)}
 COLUMNS = ("prompt", "response", "reward", "reward_before", "advantage", "length", "reward_error")
+EPISODE_COLUMNS = ("turns", "tool_calls")  # shown only when some sample has them (multi-turn episodes)
 TOKEN_FIELDS = {"log-prob": "old_logprobs_BR", "KL to reference": None, "advantage": "advantages_BR",
                 "Δ log p trainer − engine": None}
 
@@ -24,7 +28,8 @@ TOKEN_FIELDS = {"log-prob": "old_logprobs_BR", "KL to reference": None, "advanta
 def _table_row(i: int, shown: dict) -> dict:
     """One inspector row from a sample keyed by the names people see (`Batch.rows()`, rollout files; their
     token ids stay out of the table). `reward_before`: a re-scored batch's earlier reward, beside the new."""
-    return {"index": i, **{c: shown.get(c, "" if c in ("prompt", "response") else None) for c in COLUMNS}}
+    return {"index": i, **{c: shown.get(c, "" if c in ("prompt", "response") else None)
+                           for c in COLUMNS + EPISODE_COLUMNS}}
 
 
 def _rows_from_batch(batch) -> list[dict]:
@@ -54,6 +59,14 @@ class Inspector:
         self.batch = source if isinstance(source, Batch) else None
         self.tokenizer = tokenizer
         self.rows = _rows_from_batch(source) if self.batch is not None else _rows_from_file(Path(source))
+        if self.batch is None and tokenizer is not None:  # a saved file's token ids: token and turn views
+            from ..errors import RLBenchError
+            from ..rundir import load_rollouts
+            try:
+                self.batch = load_rollouts(source, tokenizer.pad_token_id)
+            except RLBenchError:
+                pass  # a file written before rollout files kept token ids: the table alone
+        self.columns = COLUMNS + tuple(c for c in EPISODE_COLUMNS if any(r[c] is not None for r in self.rows))
         self.page_size = page_size
         self.filters: list[tuple[str, str, object]] = []
         self.sort_key, self.descending = "index", False
@@ -61,8 +74,8 @@ class Inspector:
 
     # ---- the model (testable without a browser) --------------------------------------------------
     def add_filter(self, column: str, op: str, value) -> Inspector:
-        if column not in COLUMNS + ("index",):
-            raise UsageError(f"unknown column '{column}'; use one of {COLUMNS}")
+        if column not in self.columns + ("index",):
+            raise UsageError(f"unknown column '{column}'; use one of {self.columns}")
         if op not in OPS:
             raise UsageError(f"unknown operator '{op}'; use one of {list(OPS)}")
         self.filters.append((column, op, _coerce(value) if isinstance(value, str) and op != "contains" else value))
@@ -91,7 +104,7 @@ class Inspector:
     def token_colors(self, index: int, quantity: str = "log-prob") -> list[tuple[str, float]]:
         """(token text, value) for the response of sample `index`, value from `quantity`."""
         if self.batch is None or self.tokenizer is None:
-            raise UsageError("token views need a batch and a tokenizer (saved rollout files hold text only)")
+            raise UsageError("token views need a batch, or a rollouts file with token ids, and a tokenizer")
         b = self.batch
         mask = b["response_mask_BR"][index].bool()
         ids = b["response_ids_BR"][index][mask].tolist()
@@ -113,12 +126,31 @@ class Inspector:
             values = b[field][index][mask]
         return [(self.tokenizer.decode([t]), float(v)) for t, v in zip(ids, values.tolist())]
 
+    def turns(self, index: int, quantity: str = "log-prob") -> list[dict]:
+        """The episode of sample `index` as consecutive segments {"who": "model" | "environment", "text",
+        "tokens": [(token text, value)]}: `loss_mask_BR` runs of 1 are the model's, of 0 the environment's
+        (a batch without it is one model turn). Environment tokens carry None: they are not trained on.
+        "text" is the segment decoded whole, special tokens dropped, as the response column shows it."""
+        toks = self.token_colors(index, quantity)
+        b = self.batch
+        mask = b["response_mask_BR"][index].bool()
+        ids = b["response_ids_BR"][index][mask].tolist()
+        mine = b["loss_mask_BR"][index][mask].bool().tolist() if "loss_mask_BR" in b else [True] * len(ids)
+        out, start = [], 0
+        for model, run in groupby(mine):
+            end = start + len(list(run))
+            out.append({"who": "model" if model else "environment",
+                        "text": self.tokenizer.decode(ids[start:end], skip_special_tokens=True),
+                        "tokens": [(t, v if model else None) for t, v in toks[start:end]]})
+            start = end
+        return out
+
     # ---- the widget ---------------------------------------------------------------------------------
     def table_html(self) -> str:
         rows = self.view()[: self.page_size]
-        head = "".join(f"<th>{c}</th>" for c in ("#",) + COLUMNS)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r[c]))}</td>" for c in ("index",) + COLUMNS) + "</tr>"
-                       for r in rows)
+        head = "".join(f"<th>{c}</th>" for c in ("#",) + self.columns)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r[c]))}</td>" for c in ("index",) + self.columns)
+                       + "</tr>" for r in rows)
         return (f"<div>{len(self.view())} of {len(self.rows)} samples</div>"
                 f"<table class='rl-inspector' style='font-size:12px'><tr>{head}</tr>{body}</table>")
 
@@ -127,15 +159,43 @@ class Inspector:
             toks = self.token_colors(index, quantity)
         except ValueError as e:
             return f"<i>{html.escape(str(e))}</i>"
-        vals = [v for _, v in toks] or [0.0]
-        lo, hi = min(vals), max(vals)
-        spans = []
-        for text, v in toks:
-            t = (v - lo) / (hi - lo) if hi > lo else 0.5
-            color = f"rgba({int(255 * (1 - t))},{int(180 * t)},80,0.45)"
-            spans.append(f"<span title='{v:.4f}' style='background:{color};padding:1px 2px;margin:1px;"
-                         f"border-radius:3px;font-family:monospace'>{html.escape(text)}</span>")
-        return f"<div>{quantity}: {lo:.3f} … {hi:.3f}</div><div>{''.join(spans)}</div>"
+        lo, hi = _scale(v for _, v in toks)
+        spans = "".join(_token_span(text, v, lo, hi) for text, v in toks)
+        return f"<div>{html.escape(quantity)}: {lo:.3f} … {hi:.3f}</div><div>{spans}</div>"
+
+    def turns_html(self, index: int, quantity: str) -> str:
+        """The episode one turn under the other: the model's tokens coloured as in `tokens_html` (on one scale
+        over all its turns), the environment's as plain text; the episode's reward, turns and tool calls below."""
+        try:
+            segments = self.turns(index, quantity)
+        except ValueError as e:
+            return f"<i>{html.escape(str(e))}</i>"
+        b = self.batch
+        lo, hi = _scale(v for s in segments if s["who"] == "model" for _, v in s["tokens"])
+        calls = _at(b, "tool_calls_B", index)
+        label = "tool result" if calls else "environment"  # an episode that called tools was answered by them
+        parts, n = [], 0
+        for s in segments:
+            if s["who"] == "model":
+                n += 1
+                body = "".join(_token_span(t, v, lo, hi) for t, v in s["tokens"])
+                parts.append(_turn(f"model, turn {n}", body))
+            else:
+                parts.append(_turn(label, html.escape(s["text"]), "background:#eee;color:#333;font-family:monospace;"
+                                   "white-space:pre-wrap;padding:2px 4px;border-radius:3px"))
+        reward = _at(b, "scores_B", index)  # the scored reward; a batch fresh from its episodes has the env's
+        facts = {"reward": reward if reward is not None else _at(b, "env_scores_B", index),
+                 "turns": _at(b, "num_turns_B", index), "tool calls": calls,
+                 "tool errors": _at(b, "tool_errors_B", index), "env error:": _at(b, "env_error", index) or None}
+        footer = " · ".join(f"{k} {_fmt(v)}" for k, v in facts.items() if v is not None)
+        return (f"<div>{html.escape(quantity)}: {lo:.3f} … {hi:.3f}</div>{''.join(parts)}"
+                f"<div style='font-size:11px;color:#555'>{html.escape(footer)}</div>")
+
+    def token_pane_html(self, index: int, quantity: str) -> str:
+        """What the widget's token pane shows: an episode turn by turn, a single response as one line."""
+        if self.batch is not None and "loss_mask_BR" in self.batch:
+            return self.turns_html(index, quantity)
+        return self.tokens_html(index, quantity)
 
     def _changed(self) -> Inspector:
         if self._widget is not None:
@@ -150,12 +210,12 @@ class Inspector:
 
     def _build(self) -> None:
         import ipywidgets as W
-        col = W.Dropdown(options=COLUMNS, value="reward", description="filter")
+        col = W.Dropdown(options=self.columns, value="reward", description="filter")
         op = W.Dropdown(options=list(OPS), value="==", layout={"width": "90px"})
         val = W.Text(placeholder="value", layout={"width": "120px"})
         add = W.Button(description="add filter")
         clear = W.Button(description="clear")
-        sort = W.Dropdown(options=("index",) + COLUMNS, value="index", description="sort")
+        sort = W.Dropdown(options=("index",) + self.columns, value="index", description="sort")
         desc = W.Checkbox(description="descending", value=False)
         sample = W.BoundedIntText(value=0, min=0, max=max(len(self.rows) - 1, 0), description="sample #")
         quantity = W.Dropdown(options=list(TOKEN_FIELDS), value="log-prob", description="colour by")
@@ -166,7 +226,7 @@ class Inspector:
         sort.observe(lambda ch: self.sort(ch["new"], desc.value), names="value")
         desc.observe(lambda ch: self.sort(sort.value, ch["new"]), names="value")
         def show(*_):
-            tokens.value = self.tokens_html(sample.value, quantity.value)
+            tokens.value = self.token_pane_html(sample.value, quantity.value)
 
         sample.observe(show, names="value")
         quantity.observe(show, names="value")
@@ -181,7 +241,7 @@ class Inspector:
     def __repr__(self) -> str:
         lines = [f"Inspector({len(self.view())} of {len(self.rows)} samples)"]
         for r in self.view()[:10]:
-            lines.append("  " + "  ".join(f"{c}={_fmt(r[c])}" for c in ("index",) + COLUMNS))
+            lines.append("  " + "  ".join(f"{c}={_fmt(r[c])}" for c in ("index",) + self.columns))
         return "\n".join(lines)
 
 
@@ -189,6 +249,33 @@ def _fmt(v) -> str:
     if v is None:
         return ""
     return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def _at(batch, field: str, i: int):
+    """Sample i's `field` as a plain value; None when the batch has no such field."""
+    if field not in batch:
+        return None
+    v = batch[field][i]
+    return v.item() if hasattr(v, "item") else v
+
+
+def _scale(values) -> tuple[float, float]:
+    vals = list(values) or [0.0]
+    return min(vals), max(vals)
+
+
+def _token_span(text: str, v: float, lo: float, hi: float) -> str:
+    """One token, red at `lo` to green at `hi`, its value on hover; the text escaped."""
+    t = (v - lo) / (hi - lo) if hi > lo else 0.5
+    color = f"rgba({int(255 * (1 - t))},{int(180 * t)},80,0.45)"
+    return (f"<span title='{v:.4f}' style='background:{color};padding:1px 2px;margin:1px;"
+            f"border-radius:3px;font-family:monospace'>{html.escape(text)}</span>")
+
+
+def _turn(label: str, body: str, style: str = "") -> str:
+    """One turn of an episode: its label above its (already escaped) body."""
+    return (f"<div style='margin:4px 0'><div style='font-size:11px;color:#777'>{html.escape(label)}</div>"
+            f"<div style='{style}'>{body}</div></div>")
 
 
 def inspect(source, tokenizer=None) -> Inspector:

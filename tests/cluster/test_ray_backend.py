@@ -10,7 +10,7 @@ import rlbench_nb as rl
 from rlbench_nb.cluster import ClusterError, WorkerDiedError, WorkerError
 from rlbench_nb.metrics import read_jsonl
 
-from ..conftest import assert_rollout_holds_policy_weights
+from ..conftest import REPO, assert_rollout_holds_policy_weights
 
 ray = pytest.importorskip("ray")
 
@@ -411,3 +411,18 @@ def test_a_checkpoint_of_two_fsdp_ranks_resumes_on_three_and_on_one(ray_cluster,
             assert {k: a[k] for k in keys} == pytest.approx({k: b[k] for k in keys}, rel=1e-3, abs=1e-6), ranks
         for k in after:
             assert (moved[k] - after[k]).norm() <= 0.02 * (after[k] - saved[k]).norm() + 1e-7, (ranks, k)
+
+
+@pytest.mark.slow  # ~40 s after the tool task's warm start (shared with tests/test_learning.py's)
+def test_the_tool_task_learns_on_two_rollout_and_two_fsdp_ranks(ray_cluster, tmp_path):
+    """configs/arith_tool_grpo.yaml under Ray: episodes split over two rollout ranks (each runs its share, the
+    controller joins prompts and responses of different widths), two FSDP2 policy ranks. Measured: held-out
+    0.464 -> 0.938, greedy tool use 0.55 -> 1.0 (the same as one process). The bar is the issue's +0.15."""
+    cfg = rl.Config.load(REPO / "configs/arith_tool_grpo.yaml",
+                         [f"run.dir={tmp_path}", *RAY, "cluster.train_ranks=2", "cluster.rollout_ranks=2"])
+    with rl.Session(cfg) as sess:
+        assert sess.groups["rollout"].world_size == 2 and sess.groups["policy"].world_size == 2
+        summary = sess.run(progress=False)
+    assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.15, summary
+    evals = [r for r in read_jsonl(sess.run_dir / "metrics.jsonl") if "eval/tool_use" in r]
+    assert evals[-1]["eval/tool_use"] >= evals[0]["eval/tool_use"] + 0.15, evals

@@ -82,6 +82,37 @@ def test_a_failing_tool_costs_a_turn_not_the_episode():
     assert (env.calls, env.errors) == (6, 6)
 
 
+def test_hung_tool_calls_do_not_hold_up_the_calls_after_them():
+    """Each call has a thread of its own: 40 calls still hanging (more than a 16-thread pool) leave the next
+    call to run at once, where a pool would queue it behind them until its own timeout ran out."""
+    release = threading.Event()
+
+    def stuck(expr: str) -> str:
+        """Hangs until released.
+
+        Args:
+            expr: anything
+        """
+        release.wait(30)
+        return expr
+
+    class Stuck(ToolEnv):
+        tools = [stuck]
+        tool_timeout_s = 0.05
+
+    class Quick(ToolEnv):
+        tools = [calculator]
+        tool_timeout_s = 1.0
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(40) as pool:  # 40 episodes' steps at once, all hanging
+            hung = list(pool.map(lambda _: Stuck().step("<call>1</call>")[0], range(40)))
+        assert hung == ["<result>error: stuck took longer than 0.05 s</result>"] * 40
+        assert Quick().step("<call>2+3</call>")[0] == "<result>5</result>"
+    finally:
+        release.set()
+
+
 def test_an_environment_that_raises_hangs_or_answers_wrongly_ends_its_episode_only():
     class Raises(Env):
         def step(self, action_text):

@@ -157,7 +157,9 @@ def test_inspector_on_saved_rollouts_escapes_content(small_cfg, tmp_path):
         insp.token_colors(0)
     sess = rl.Session(small_cfg("run.tensorboard=false"))
     sess.step()  # run.save_rollouts_every=1
-    assert len(sess.inspect().rows) == 32
+    saved = sess.inspect()  # the latest rollouts file, with its token ids: token views work from it too
+    assert len(saved.rows) == 32
+    assert "".join(t for t, _ in saved.token_colors(0)).startswith(saved.rows[0]["response"])
 
 
 def test_background_failure_shows_in_the_dashboard_and_is_raised_next_time(small_cfg, monkeypatch):
@@ -180,3 +182,72 @@ def test_background_failure_shows_in_the_dashboard_and_is_raised_next_time(small
         sess.run(steps=1, progress=False)
     monkeypatch.undo()
     assert sess.run(steps=1, progress=False)["steps"] == 1  # raised once, then the session carries on
+
+
+def _episode_batch(tok):
+    """Two samples as run_episodes leaves them, by hand: an episode (model "1+2*", environment "3=", model "3"
+    EOS) and a direct answer ("7" EOS) right-padded to the episode's width."""
+    import torch
+
+    from rlbench_nb.data.batch import Batch
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    episode = enc("1+2*") + enc("3=") + enc("3") + [eos]
+    direct = enc("7") + [eos] + [pad] * 6
+    return Batch({"response_ids_BR": torch.tensor([episode, direct]),
+                  "response_mask_BR": torch.tensor([[1] * 8, [1, 1] + [0] * 6]),
+                  "loss_mask_BR": torch.tensor([[1, 1, 1, 1, 0, 0, 1, 1], [1, 1] + [0] * 6]),
+                  "rollout_logprobs_BR": torch.tensor([[-0.5, -0.25, -1.0, -2.0, 0.0, 0.0, -0.125, -0.75],
+                                                       [-0.5, -1.5] + [0.0] * 6]),
+                  "env_scores_B": torch.tensor([1.0, 0.0]), "num_turns_B": torch.tensor([2, 1]),
+                  "tool_calls_B": torch.tensor([1, 0]), "tool_errors_B": torch.tensor([0, 0])},
+                 {"prompt": ["1+2*3=", "3+4="], "response": ["1+2*3=3", "7"],
+                  "env_error": ["", "<img src=x onerror=alert(1)>"]})
+
+
+def test_inspector_shows_an_episode_turn_by_turn(tmp_path, monkeypatch):
+    import torch
+
+    from rlbench_nb.data.tasks.arithmetic import make_tokenizer
+    from rlbench_nb.widgets.inspector import Inspector
+    tok = make_tokenizer(tmp_path / "tok")
+    batch = _episode_batch(tok)
+    insp = Inspector(batch, tokenizer=tok)
+    turns = insp.turns(0)
+    assert [(s["who"], s["text"]) for s in turns] == [("model", "1+2*"), ("environment", "3="), ("model", "3")]
+    assert [t for t, _ in turns[2]["tokens"]] == ["3", "<eos>"]  # EOS is the model's token, not its text
+    assert [v for _, v in turns[1]["tokens"]] == [None, None]  # not trained on: no value, no colour
+    assert [v for _, v in turns[0]["tokens"] + turns[2]["tokens"]] == [-0.5, -0.25, -1.0, -2.0, -0.125, -0.75]
+    assert insp.turns(1) == [{"who": "model", "text": "7", "tokens": [("7", -0.5), ("<eos>", -1.5)]}]  # no padding
+    advantages = torch.tensor([[0.5] * 4 + [9.0] * 2 + [0.5] * 2, [-0.25] * 8])
+    by_adv = Inspector(batch.replace(advantages_BR=advantages), tokenizer=tok).turns(0, quantity="advantage")
+    assert [v for s in by_adv for _, v in s["tokens"]] == [0.5] * 4 + [None] * 2 + [0.5] * 2
+
+    page = insp.turns_html(0, "log-prob")
+    assert "model, turn 1" in page and "model, turn 2" in page and "tool result" in page
+    assert page.count("title='") == 6  # only the model's tokens are coloured
+    assert "log-prob: -2.000 … -0.125" in page  # scaled over the model's tokens, not the environment's zeros
+    assert "font-family:monospace;" in page and ">3=</div>" in page  # the environment's turn, as plain text
+    assert "&lt;eos&gt;" in page and "<eos>" not in page
+    assert "reward 1 · turns 2 · tool calls 1 · tool errors 0" in page and "env error" not in page
+    assert "env error: &lt;img src=x" in insp.turns_html(1, "log-prob") and "<img" not in insp.turns_html(1, "log-prob")
+    no_tools = Inspector(batch.replace(tool_calls_B=torch.tensor([0, 0])), tokenizer=tok).turns_html(0, "log-prob")
+    assert ">environment</div>" in no_tools and "tool result" not in no_tools
+    scored = Inspector(batch.replace(scores_B=torch.tensor([0.5, 0.0])), tokenizer=tok)
+    assert "reward 0.5 · turns 2" in scored.turns_html(0, "log-prob")  # the scored reward, not the env's sum
+    assert insp.token_pane_html(0, "log-prob") == page  # what the widget shows for an episode batch
+
+    assert insp.columns[-2:] == ("turns", "tool_calls") and "<th>turns</th>" in insp.table_html()
+    assert [r["index"] for r in insp.add_filter("turns", "==", "2").view()] == [0]
+    single = Inspector(batch.only("response_ids_BR", "response_mask_BR", "rollout_logprobs_BR"), tokenizer=tok)
+    assert "turns" not in single.columns
+    (only,) = single.turns(0)  # no loss mask: the whole response is the model's
+    assert only["who"] == "model" and only["text"] == "1+2*3=3"
+    assert [v for _, v in only["tokens"]] == batch["rollout_logprobs_BR"][0].tolist()
+    assert single.token_pane_html(0, "log-prob") == single.tokens_html(0, "log-prob")
+    with pytest.raises(rl.UsageError, match="token views need a batch, or a rollouts file with token ids, and a"):
+        Inspector(batch).turns(0)
+
+    monkeypatch.setattr(tok, "decode", lambda ids, **_: "<script>alert(1)</script>")
+    page = insp.turns_html(0, "log-prob")  # rollout content, the model's and the environment's, stays text
+    assert "<script>" not in page and page.count("&lt;script&gt;") == 7  # 6 model tokens, 1 environment text

@@ -17,17 +17,21 @@ CHARS = "0123456789+-*= "
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 # The split does not depend on run.seed: every run, with any seed, is evaluated on the same held-out prompts.
 _SPLIT_SEED = 1234
+_LISTED = 1_000_000  # problem spaces up to this size are listed and shuffled; bigger ones are drawn
 
 
-def make_tokenizer(path: str | Path):
-    """Build the character tokenizer and save it to `path`; returns it loaded through AutoTokenizer."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def make_tokenizer(path: str | Path, words: tuple[str, ...] = ()):
+    """Build the character tokenizer and save it to `path`; returns it loaded through AutoTokenizer. `words`:
+    strings that are single (non-special) tokens besides the characters — matched before the text is split into
+    characters, and kept by `decode(..., skip_special_tokens=True)`."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS + list(CHARS))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in words])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
                                    padding_side="left")
     fast.save_pretrained(str(path))
@@ -55,12 +59,20 @@ def _answer(a: int, op: str, b: int) -> int:
 
 def make_split(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
     """(train_rows, test_rows), each row {"prompt": "37+45=", "answer": "82"}; disjoint and deterministic."""
-    problems = [(a, op, b) for op in cfg.ops for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)]
-    need = cfg.num_train + cfg.num_test
-    if need > len(problems):
-        raise ConfigError(f"task.num_train + task.num_test = {need} but only {len(problems)} distinct problems exist "
+    need, size = cfg.num_train + cfg.num_test, len(cfg.ops) * (cfg.max_operand + 1) ** 2
+    if need > size:
+        raise ConfigError(f"task.num_train + task.num_test = {need} but only {size} distinct problems exist "
                          f"with task.max_operand={cfg.max_operand}, task.ops='{cfg.ops}': lower them")
-    random.Random(_SPLIT_SEED).shuffle(problems)
+    rng = random.Random(_SPLIT_SEED)
+    if size <= _LISTED:
+        operands = range(cfg.max_operand + 1)
+        problems = [(a, op, b) for op in cfg.ops for a in operands for b in operands]
+        rng.shuffle(problems)
+    else:  # e.g. 4-digit operands: 10^8 problems, drawn rather than listed
+        drawn: dict[tuple, None] = {}
+        while len(drawn) < need:
+            drawn[(rng.randint(0, cfg.max_operand), rng.choice(cfg.ops), rng.randint(0, cfg.max_operand))] = None
+        problems = list(drawn)
     rows = [{"prompt": f"{a}{op}{b}=", "answer": str(_answer(a, op, b))} for a, op, b in problems[:need]]
     return rows[: cfg.num_train], rows[cfg.num_train:]
 

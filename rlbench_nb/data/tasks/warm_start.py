@@ -44,13 +44,17 @@ def cache_key(task: TaskConfig, model: ModelConfig) -> str:
 
 
 def sft_step_batch(tokenizer, rows: list[dict]) -> dict[str, torch.Tensor]:
-    """prompt + answer + EOS, right-padded; loss only on answer and EOS."""
+    """prompt + answer + EOS, right-padded; loss only on answer and EOS. A row with "turns" (a whole episode:
+    [(text, the model wrote it), ...]) has loss on the model's turns and EOS, none on the environment's."""
     seqs, labels = [], []
     for r in rows:
-        p = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
-        a = tokenizer(r["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        seqs.append(p + a)
-        labels.append([-100] * len(p) + a)
+        seq = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
+        label = [-100] * len(seq)
+        for text, trained in r.get("turns") or [(r["answer"], True)]:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            seq, label = seq + ids, label + (ids if trained else [-100] * len(ids))
+        seqs.append(seq + [tokenizer.eos_token_id])
+        labels.append(label + [tokenizer.eos_token_id])
     width = max(map(len, seqs))
     pad = tokenizer.pad_token_id
     return {
@@ -74,12 +78,12 @@ def greedy_accuracy(model, tokenizer, rows: list[dict]) -> float:
 
 
 def supervised_pass(model, tokenizer, rows: list[dict], steps: int, lr: float, batch_size: int, seed: int,
-                    target: float | None = None) -> dict:
+                    target: float | None = None, probe: list[dict] | None = None) -> dict:
     """At most `steps` AdamW steps on random training rows, the learning rate decaying linearly to 0;
-    with `target`, stops once `greedy_accuracy` on PROBE_ROWS fixed rows reaches it (every CHECK_EVERY
-    steps). Returns {"steps", "final_loss", "probe_accuracy"}."""
+    with `target`, stops once `greedy_accuracy` on PROBE_ROWS fixed rows (of `probe`, default `rows`) reaches
+    it (every CHECK_EVERY steps). Returns {"steps", "final_loss", "probe_accuracy"}."""
     rng = random.Random(seed)
-    probe = random.Random(seed + 1).sample(rows, min(PROBE_ROWS, len(rows)))
+    probe = random.Random(seed + 1).sample(probe or rows, min(PROBE_ROWS, len(probe or rows)))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / max(steps, 1))
     model.train()
@@ -101,8 +105,10 @@ def supervised_pass(model, tokenizer, rows: list[dict], steps: int, lr: float, b
 
 
 def warm_started_model_dir(task: TaskConfig, model: ModelConfig, train_rows: list[dict]) -> Path:
-    """Directory of the tokenizer + warm-started model for these settings, built on first use."""
-    from .arithmetic import make_model, make_tokenizer
+    """Directory of the tokenizer + warm-started model for these settings, built on first use. The tool task
+    (task.name=tool_arith) supervises whole episodes, a share of them calling the calculator."""
+    from . import arithmetic, tool_arith
+    from .arithmetic import make_model
 
     target = cache_root() / f"{task.name}-{cache_key(task, model)}"
     if (target / "model.safetensors").exists():
@@ -111,12 +117,16 @@ def warm_started_model_dir(task: TaskConfig, model: ModelConfig, train_rows: lis
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tokenizer = make_tokenizer(tmp)
+    if task.name == "tool_arith":
+        tokenizer = arithmetic.make_tokenizer(tmp, tool_arith.TAGS)
+        rows, probe = tool_arith.sft_rows(train_rows, task.tool_share, seed=0), tool_arith.probe_rows(train_rows)
+    else:
+        tokenizer, rows, probe = arithmetic.make_tokenizer(tmp), train_rows, None
     net = make_model(model, len(tokenizer), seed=0)
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        result = supervised_pass(net, tokenizer, train_rows, task.warm_start_steps, task.warm_start_lr,
-                                 task.warm_start_batch, seed=0, target=task.warm_start_target)
+        result = supervised_pass(net, tokenizer, rows, task.warm_start_steps, task.warm_start_lr,
+                                 task.warm_start_batch, seed=0, target=task.warm_start_target, probe=probe)
     if result["probe_accuracy"] is not None and result["probe_accuracy"] < task.warm_start_target:
         log.warning("warm start: %d steps reached greedy accuracy %.3f, below task.warm_start_target=%.2f; "
                     "raise task.warm_start_steps", result["steps"], result["probe_accuracy"], task.warm_start_target)

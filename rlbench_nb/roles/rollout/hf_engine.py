@@ -94,16 +94,15 @@ class HFRolloutWorker(RolloutWorker):
         """One multi-turn episode per row (rows already repeated n times per prompt; a Batch's non-tensor fields
         are the rows), each with a fresh `env_cls()`: model and environment take turns, token in, token out
         (episodes.py). `env.max_turns` and `env.step_timeout_s` come from the config."""
-        import concurrent.futures
-
         from transformers import AutoTokenizer
 
+        from ...envs import ThreadPerCall
         from ...prompts import PromptCodec
         from .episodes import cat_episodes, run_episodes
         self._mark()
         if getattr(self, "_codec", None) is None:  # the session's prompt encoding (chat template, BOS, pad)
             self._codec = PromptCodec(AutoTokenizer.from_pretrained(self.model_dir), self.cfg.data)
-            self._env_pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="rlbench-env")
+            self._env_pool = ThreadPerCall()  # a hung step holds its own thread, not the next steps' slot
         if isinstance(rows, Batch):
             rows = [dict(zip(rows.meta, values)) for values in zip(*rows.meta.values())]
         p = params or self.cfg.rollout
