@@ -1,8 +1,8 @@
 """rlbench-nb vs TRL's GRPOTrainer on identical work: seconds per step, completion tokens/s, reward curves.
 
     pip install trl                                   # a benchmark dependency only, never a runtime one
-    python benchmarks/vs_trl.py                       # tiny size; local, ray, ray-colocated; 3 alternating reps
-    python benchmarks/vs_trl.py --sizes tiny 20m --steps 10 --reps 3 --json out.json
+    python benchmarks/vs_trl.py                       # tiny size; local, ray, ray-colocated; no KL and k3 KL loss
+    python benchmarks/vs_trl.py --sizes tiny 20m --kl none k3 --steps 10 --reps 3 --json out.json
 
 Both sides get the same work, and this list is the contract:
 - model: the built-in task's warm-started Llama (tiny, 0.66M) or a 20M Llama from a config (random init,
@@ -12,9 +12,11 @@ Both sides get the same work, and this list is the contract:
 - completions per step: tiny 64 (8 prompts x 8), 20m 256 (32 x 8); max new tokens: tiny 8, 20m 64;
 - sampling: temperature 1.0, top_p 1.0, top_k off; stop at EOS;
 - loss: PPO clip 0.2 both sides, one optimizer step per generation (`num_iterations=1`, one mini-batch;
-  old log-probs from the update's own forward: TRL's behaviour then, our `algo.reuse_logprobs=true`),
+  old log-probs from the update's own forward: TRL's behaviour then, and our default `algo.reuse_logprobs`),
   token-mean aggregation (TRL `loss_type="dapo"`), advantages normalised by the group std
-  (`scale_rewards="group"`), no KL (`beta=0.0`, `algo.kl_coef=0`), no entropy bonus;
+  (`scale_rewards="group"`), no entropy bonus; `--kl none`: no KL (`beta=0.0`, `algo.kl_coef=0`), `--kl k3`:
+  the k3 KL to the initial model as a loss with coefficient 0.04 (TRL `beta=0.04`, a reference model; ours
+  `algo.kl_coef=0.04 algo.kl_estimator=k3 algo.kl_in=loss`: the reference role);
 - optimizer: AdamW lr 1e-4 (tiny) / 1e-5 (20m), betas (0.9, 0.999), eps 1e-8, weight decay 0, grad-norm
   clip 1.0, constant LR (TRL `lr_scheduler_type="constant"`, no warmup);
 - everything else TRL would add turned off: `gradient_checkpointing=False`, fp32 (no bf16/fp16),
@@ -51,6 +53,7 @@ SIZES = {  # name: (model overrides or None for the warm-started tiny model, pro
     "20m": (dict(hidden_size=512, num_layers=6, num_heads=8, intermediate_size=1536), 32, 64, 1e-5),
 }
 GROUP = 8
+KL = {"none": 0.0, "k3": 0.04}  # --kl: the coefficient of the k3 KL loss (TRL's beta)
 
 
 def model_dir(size: str, root: Path) -> Path:
@@ -74,16 +77,17 @@ BACKENDS = {  # name in the table: overrides
 }
 
 
-def run_ours(path: Path, size: str, backend: str, steps: int, warmup: int, threads: int, run_dir: Path) -> dict:
+def run_ours(path: Path, size: str, backend: str, kl: str, steps: int, warmup: int, threads: int,
+             run_dir: Path) -> dict:
     import rlbench_nb as rl
     _, prompts, max_new, lr = SIZES[size]
     cfg = rl.Config.load(None, [
         f"run.dir={run_dir}", "run.tensorboard=false", "run.save_rollouts_every=0", f"model.path={path}",
         "data.shuffle=false", f"data.batch_size={prompts}", f"rollout.n={GROUP}", f"rollout.max_new_tokens={max_new}",
         "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0", "algo.advantage=grpo",
-        "algo.loss_agg=token-mean", "algo.kl_coef=0.0", "algo.clip_low=0.2", "algo.clip_high=0.2",
-        "algo.reuse_logprobs=true",
-        f"train.lr={lr}", "train.grad_clip=1.0", "train.micro_batch_size=4096", "task.num_test=8",
+        "algo.loss_agg=token-mean", f"algo.kl_coef={KL[kl]}", "algo.kl_estimator=k3", "algo.kl_in=loss",
+        "algo.clip_low=0.2", "algo.clip_high=0.2", f"train.lr={lr}", "train.grad_clip=1.0",
+        "train.micro_batch_size=4096", "task.num_test=8",
         *BACKENDS[backend], f"cluster.num_threads={threads}"])
     sess = rl.Session(cfg)
     rows, walls = [], []
@@ -100,7 +104,7 @@ def run_ours(path: Path, size: str, backend: str, steps: int, warmup: int, threa
             "rewards": [r["reward/mean"] for r in rows]}
 
 
-def run_trl(path: Path, size: str, steps: int, warmup: int, threads: int, out_dir: Path) -> dict:
+def run_trl(path: Path, size: str, kl: str, steps: int, warmup: int, threads: int, out_dir: Path) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -123,7 +127,7 @@ def run_trl(path: Path, size: str, steps: int, warmup: int, threads: int, out_di
         output_dir=str(out_dir), per_device_train_batch_size=prompts * GROUP, gradient_accumulation_steps=1,
         num_generations=GROUP, max_completion_length=max_new, temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
-        adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, beta=0.0, epsilon=0.2, num_iterations=1,
+        adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, beta=KL[kl], epsilon=0.2, num_iterations=1,
         loss_type="dapo", scale_rewards="group", shuffle_dataset=False, gradient_checkpointing=False,
         bf16=False, fp16=False, use_cpu=not torch.cuda.is_available(), disable_dropout=True, use_vllm=False,
         max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to="none", log_completions=False,
@@ -153,6 +157,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=["tiny"], choices=list(SIZES))
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    ap.add_argument("--kl", nargs="+", default=list(KL), choices=list(KL), help="without KL, with a k3 KL loss")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
@@ -167,25 +172,32 @@ def main():
     for size in args.sizes:
         path = model_dir(size, root)
         for rep in range(args.reps):
-            for who in ["trl", *[f"ours-{b}" for b in args.backends]]:
-                out = root / f"{size}-{who}-{rep}"
-                r = (run_trl(path, size, args.steps, args.warmup, args.threads, out) if who == "trl" else
-                     run_ours(path, size, who.removeprefix("ours-"), args.steps, args.warmup, args.threads, out))
-                results.append({"size": size, "who": who, "rep": rep, **r})
-                print(f"{size} {who} rep {rep}: {r['step_s']:.3f} s/step, {r['tok_s']:,.0f} tok/s", flush=True)
+            for kl in args.kl:
+                for who in ["trl", *[f"ours-{b}" for b in args.backends]]:
+                    out = root / f"{size}-{kl}-{who}-{rep}"
+                    r = (run_trl(path, size, kl, args.steps, args.warmup, args.threads, out) if who == "trl" else
+                         run_ours(path, size, who.removeprefix("ours-"), kl, args.steps, args.warmup, args.threads,
+                                  out))
+                    results.append({"size": size, "kl": kl, "who": who, "rep": rep, **r})
+                    print(f"{size} kl={kl} {who} rep {rep}: {r['step_s']:.3f} s/step, {r['tok_s']:,.0f} tok/s",
+                          flush=True)
     print(f"\nvs TRL GRPOTrainer, identical work, {args.threads} threads, median over {args.reps} alternating reps "
           f"of {args.steps} timed steps")
-    print(f"{'size':<6}{'framework':<19}{'s/step':>9}{'tok/s':>10}{'vs TRL':>8}{'reward first':>14}{'reward last':>13}")
+    print(f"{'size':<6}{'KL':<5}{'framework':<19}{'s/step':>9}{'tok/s':>10}{'vs TRL':>8}{'reward first':>14}"
+          f"{'reward last':>13}")
     for size in args.sizes:
-        rows = {w: [r for r in results if r["size"] == size and r["who"] == w] for w in {r["who"] for r in results}}
-        trl_s = statistics.median(r["step_s"] for r in rows["trl"])
-        for who in ["trl", *[f"ours-{b}" for b in args.backends]]:
-            rs = rows[who]
-            s = statistics.median(r["step_s"] for r in rs)
-            tok = statistics.median(r["tok_s"] for r in rs)
-            first = statistics.mean(statistics.mean(r["rewards"][:3]) for r in rs)
-            last = statistics.mean(statistics.mean(r["rewards"][-3:]) for r in rs)
-            print(f"{size:<6}{who:<19}{s:>9.3f}{tok:>10,.0f}{trl_s / s:>7.2f}x{first:>14.3f}{last:>13.3f}")
+        for kl in args.kl:
+            rows = {w: [r for r in results if (r["size"], r["kl"], r["who"]) == (size, kl, w)]
+                    for w in {r["who"] for r in results}}
+            trl_s = statistics.median(r["step_s"] for r in rows["trl"])
+            for who in ["trl", *[f"ours-{b}" for b in args.backends]]:
+                rs = rows[who]
+                s = statistics.median(r["step_s"] for r in rs)
+                tok = statistics.median(r["tok_s"] for r in rs)
+                first = statistics.mean(statistics.mean(r["rewards"][:3]) for r in rs)
+                last = statistics.mean(statistics.mean(r["rewards"][-3:]) for r in rs)
+                print(f"{size:<6}{kl:<5}{who:<19}{s:>9.3f}{tok:>10,.0f}{trl_s / s:>7.2f}x{first:>14.3f}"
+                      f"{last:>13.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -364,10 +364,11 @@ class AlgoConfig(_Section):
     """Entropy bonus coefficient."""
     value_clip: float = Field(0.5, gt=0)
     """Clipped value loss range (PPO)."""
-    reuse_logprobs: bool = False
-    """On-policy single-epoch updates without a reference model take the old log-probs from the update's own forward
-    (ratio exactly 1, as TRL does with num_iterations=1) instead of a separate forward in prepare(), which then
-    has none."""
+    reuse_logprobs: bool = True
+    """Where it is exact — one epoch of one mini-batch (train.epochs, train.mini_batches), no algo.rollout_is, the
+    KL (if any) as a loss — the old log-probs are the update's own forward (ratio exactly 1, as TRL does with
+    num_iterations=1) instead of a separate forward in prepare(), which then has none; the mismatch and kl/ref
+    are measured by that forward. Elsewhere prepare() runs the forward whatever this says. false: always."""
 
 
 class TrainConfig(_Section):
@@ -492,8 +493,6 @@ class Config(_Section):
         if self.task.name == "tool_arith" and self.env.fn is None and self.data.train_path is None:
             raise ValueError("task.name=tool_arith is a tool task: its episodes need an environment; set "
                              "env.fn=rlbench_nb.data.tasks.tool_arith:CalculatorEnv (or your own)")
-        if self.env.fn is not None and self.rollout.engine != "hf":
-            raise ValueError("env.fn runs episodes in the HF engine only (for now): set rollout.engine=hf")
         if self.env.fn is not None and self.algo.advantage not in ("grpo", "rloo"):
             raise ValueError(f"env.fn with algo.advantage={self.algo.advantage}: per-token returns across "
                              "environment tokens are not supported yet; use grpo or rloo")

@@ -379,8 +379,10 @@ class Session(WhatIf):
                     m.update(is_stats)
             rewards = outcome_token_rewards(batch["scores_B"], mask)
             if self.cfg.uses_reference:
+                m["kl/coef"] = self.kl_ctrl.value
+            if self.cfg.uses_reference and "old_logprobs_BR" in out:  # reused: the update measures the KL itself
                 kl_BR, current = reference_kl(out["old_logprobs_BR"], out["ref_logprobs_BR"], trained, a.kl_estimator)
-                m.update({"kl/ref": masked_mean(kl_BR, trained).item(), "kl/coef": self.kl_ctrl.value})
+                m["kl/ref"] = masked_mean(kl_BR, trained).item()
                 out.info["kl_current"] = current  # the KL controller moves when the step is taken (update)
                 if a.kl_in == "reward":
                     rewards = rewards - self.kl_ctrl.value * kl_BR
@@ -402,10 +404,13 @@ class Session(WhatIf):
         return group, group.submit_shards(method, batch)
 
     def _reuses_logprobs(self) -> bool:
-        """algo.reuse_logprobs, where it is exact: the update's first forward sees the weights that sampled."""
-        t = self.cfg.train
-        return (self.cfg.algo.reuse_logprobs and t.epochs == 1 and t.mini_batches == 1
-                and not self.cfg.uses_reference and self.cfg.algo.rollout_is == "off")
+        """algo.reuse_logprobs, where it is exact: one epoch of one mini-batch, so every forward of the update
+        runs on the weights a separate forward in prepare() would have used. Not with algo.rollout_is (it weighs
+        the trainer's log-probs against the engine's before the update) nor with the KL in the reward (the
+        advantages need it before the update); a KL loss is measured by the update's forward."""
+        t, a = self.cfg.train, self.cfg.algo
+        return (a.reuse_logprobs and t.epochs == 1 and t.mini_batches == 1 and a.rollout_is == "off"
+                and not (self.cfg.uses_reference and a.kl_in == "reward"))
 
     def update(self, batch: Batch) -> dict:
         """Critic and policy optimizer steps on `batch`, then the weights to the rollout engine. Ends the
@@ -475,8 +480,9 @@ class Session(WhatIf):
         self.lease.renew()  # first: a session taken over mid-step writes nothing more
         self.step_count += 1
         self.run_outcome = None  # moved on from the last run's end (a run sets it again when it ends)
-        if "kl_current" in batch.info:
-            self.kl_ctrl.update(batch.info["kl_current"], n_steps=len(batch))
+        current = m.pop("kl_current", batch.info.get("kl_current"))  # the update's own, when it measured it
+        if current is not None:
+            self.kl_ctrl.update(current, n_steps=len(batch))
         self.metrics.record_step(self.step_count, m)
         self.rundir.write_state(self.controller_state())
         k = self.cfg.run.save_rollouts_every
@@ -556,11 +562,9 @@ class Session(WhatIf):
         if env_cls is not None:
             check_env(env_cls, "set_env's argument")
             shippable(env_cls, "environment class", "rollout workers")
-            if (self.cfg.rollout.engine != "hf" or self.cfg.algo.advantage not in ("grpo", "rloo")
-                    or self.cfg.run.deterministic):
-                raise UsageError("environments run in the HF engine with grpo or rloo, without run.deterministic, "
-                                 f"for now (this session: rollout.engine={self.cfg.rollout.engine}, "
-                                 f"algo.advantage={self.cfg.algo.advantage}, "
+            if self.cfg.algo.advantage not in ("grpo", "rloo") or self.cfg.run.deterministic:
+                raise UsageError("environments run with grpo or rloo, without run.deterministic, "
+                                 f"for now (this session: algo.advantage={self.cfg.algo.advantage}, "
                                  f"run.deterministic={self.cfg.run.deterministic})")
         with self._phase("set_env"):
             self._env_cls = env_cls

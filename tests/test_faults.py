@@ -151,7 +151,7 @@ def test_latest_pointing_at_a_missing_checkpoint_falls_back_to_the_newest_comple
 
 
 def test_out_of_memory_names_role_rank_memory_and_the_knobs(small_cfg, monkeypatch):
-    sess = rl.Session(small_cfg("run.tensorboard=false"))
+    sess = rl.Session(small_cfg("run.tensorboard=false", "algo.reuse_logprobs=false"))  # prepare's forward
     policy = sess.groups["policy"].workers[0]
 
     def greedy_for_memory(batch, key="old_logprobs_BR"):

@@ -23,7 +23,10 @@ import rlbench_nb as rl
 from rlbench_nb.guard import deferred_interrupts
 from rlbench_nb.metrics import read_jsonl
 
-run_dir, out, calm, steps, quiet_from = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), 50, 40
+run_dir, out, calm = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+# interrupted for at least 40 steps and at least 12 interrupts (a fast CPU runs 40 steps in a few seconds), then
+# a checkpoint and 10 quiet steps
+FIRST_STEPS, MIN_INTERRUPTS, QUIET = 40, 12, 10
 sess = rl.Session(rl.Config.load(None, sys.argv[4:]), run_dir=run_dir)
 checks = {"interrupts": 0, "violations": []}
 
@@ -41,10 +44,12 @@ go = ("READY", "go")  # the parent interrupts only after this file says so, and 
 
 def drive():
     (run_dir / go[0]).write_text(go[1])
-    while sess.step_count < steps:
-        if sess.step_count == quiet_from and not calm.exists():
+    while not calm.exists() or sess.step_count < checks["quiet_from"] + QUIET:
+        if not calm.exists() and sess.step_count >= FIRST_STEPS and checks["interrupts"] >= MIN_INTERRUPTS:
+            checks["quiet_from"] = sess.step_count
             sess.save("quiet")
-            calm.write_text("stop interrupting")  # the last 10 steps run straight
+            calm.write_text("stop interrupting")  # the last steps run straight
+            continue
         sess.step()
 
 
@@ -65,8 +70,9 @@ while True:
 check()
 straight = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
 sess.close()
+quiet_from = checks["quiet_from"]
 again = rl.Session.load(run_dir / "checkpoints" / "quiet", run_dir=run_dir.parent / "resumed")
-for _ in range(steps - quiet_from):
+for _ in range(QUIET):
     again.step()
 resumed = [r for r in read_jsonl(run_dir.parent / "resumed" / "metrics.jsonl") if "reward/mean" in r]
 again.close()
@@ -108,9 +114,10 @@ def test_sigint_at_random_moments_leaves_every_count_in_agreement(tmp_path, back
                 time.sleep(0.01)
     assert proc.wait(timeout=max(deadline - time.time(), 10)) == 0, (tmp_path / "child.log").read_text()[-3000:]
     checks = json.loads(out.read_text())
-    assert sent >= 10 and checks["interrupts"] >= 10, (sent, checks)
+    assert sent >= 12 and checks["interrupts"] >= 12, (sent, checks)
     assert checks["violations"] == [], checks["violations"]
-    assert checks["steps"] == list(range(1, 51))  # each step recorded once: none lost, none doubled
+    steps = checks["steps"]
+    assert len(steps) >= 50 and steps == list(range(1, len(steps) + 1))  # each step once: none lost, none doubled
     assert checks["resume_matches"]  # the checkpoint saved amid the interrupts resumes exactly
 
 

@@ -32,7 +32,8 @@ def test_each_phase_returns_data_to_look_at(small_cfg):
     expected = [float(r.strip() == a) for r, a in zip(batch["response"], batch["answer"])]
     assert batch["scores_B"].tolist() == expected
     batch = sess.prepare(batch)
-    assert batch["advantages_BR"].shape == mask.shape and "old_logprobs_BR" in batch
+    assert batch["advantages_BR"].shape == mask.shape
+    assert "old_logprobs_BR" not in batch  # the default: one epoch of one mini-batch reuses the update's forward
     stats = sess.update(batch)
     for key in ("reward/mean", "loss/policy", "actor/clip_frac", "actor/grad_norm", "entropy", "time/rollout_s",
                 "throughput/rollout_tok_s", "memory/policy_peak_gb", "sync/bytes", "response_len/mean"):
@@ -49,7 +50,7 @@ def test_each_phase_returns_data_to_look_at(small_cfg):
 
 def test_rollout_logprobs_match_the_trainer(small_cfg):
     """The sampler's log-probs of the tokens it drew equal the policy's: the PPO ratio starts at 1."""
-    sess = rl.Session(small_cfg())
+    sess = rl.Session(small_cfg("algo.reuse_logprobs=false"))  # prepare() runs the trainer's forward
     batch = sess.prepare(sess.score(sess.rollout()))
     m = batch["response_mask_BR"].bool()
     torch.testing.assert_close(batch["rollout_logprobs_BR"][m], batch["old_logprobs_BR"][m], atol=1e-4, rtol=1e-4)

@@ -55,7 +55,7 @@ def test_a_weight_push_the_engine_did_not_take_is_caught_on_that_step(small_cfg,
 
 
 def test_the_inspector_colours_tokens_by_the_mismatch(small_cfg, tmp_path):
-    with rl.Session(small_cfg("run.tensorboard=false"), run_dir=tmp_path / "run") as sess:
+    with rl.Session(small_cfg("run.tensorboard=false", "algo.reuse_logprobs=false"), run_dir=tmp_path / "run") as sess:
         batch = sess.prepare(sess.score(sess.rollout()))
         toks = sess.inspect(batch).token_colors(0, "Δ log p trainer − engine")
         mask = batch["response_mask_BR"][0].bool()

@@ -147,6 +147,9 @@ class PolicyWorker(SnapshotHolder, ReferenceWorker):
                  **{f"actor/{k}": v * share for k, v in pg_stats.items()}}
         if "old_logprobs_BR" not in mb and "rollout_logprobs_BR" in mb:  # reused: this forward is the trainer's
             stats.update(_mismatch_shares(lp.detach(), mb["rollout_logprobs_BR"].to(self.device), mask, counts))
+        if "old_logprobs_BR" not in mb and "ref_logprobs_BR" in mb:  # reused: the KL to the reference from here too
+            stats.update(_reference_kl_shares(lp.detach(), mb["ref_logprobs_BR"].to(self.device), mask, counts,
+                                              a.kl_estimator))
         if kl_coef > 0 and a.kl_in == "loss":
             kl_loss = agg_loss(kl_penalty(lp, mb["ref_logprobs_BR"].to(self.device), a.kl_estimator), mask,
                                a.loss_agg, **counts)
@@ -226,6 +229,17 @@ class PolicyWorker(SnapshotHolder, ReferenceWorker):
                              "saved with (its adapter_config.json names it)")
         adapter = lora_util.adapter_to_model_names(read_safetensors(path / "adapter_model.safetensors", "cpu"))
         dist_util.load_full_model_state(self.model, adapter, self.sharded, partial=True)
+
+
+def _reference_kl_shares(logprobs_BR: torch.Tensor, ref_BR: torch.Tensor, mask: torch.Tensor, counts: dict,
+                         estimator: str) -> dict:
+    """What prepare() measures from the old log-probs when it has them (algos.reference_kl), as this micro-batch's
+    shares: `kl/ref`, the token mean, and `kl_current`, the mean over sequences of their token mean (what the
+    adaptive KL controller tracks; the session takes it out of the metrics)."""
+    kl = kl_penalty(logprobs_BR, ref_BR, estimator) * mask
+    per_seq = kl.sum(-1) / mask.sum(-1).clamp(min=1e-8)
+    return {"kl/ref": (kl.sum() / counts["num_tokens"]).item(),
+            "kl_current": (per_seq.sum() / counts["num_seqs"]).item()}
 
 
 def _mismatch_shares(trainer_BR: torch.Tensor, rollout_BR: torch.Tensor, mask: torch.Tensor, counts: dict) -> dict:

@@ -111,7 +111,8 @@ class Inspector:
         if quantity == "KL to reference":
             if "ref_logprobs_BR" not in b:
                 raise UsageError("this batch has no reference log-probs (algo.kl_coef is 0)")
-            values = (b["old_logprobs_BR"][index] - b["ref_logprobs_BR"][index])[mask]
+            policy = b["old_logprobs_BR"] if "old_logprobs_BR" in b else b["rollout_logprobs_BR"]  # reused: the same
+            values = (policy[index] - b["ref_logprobs_BR"][index])[mask]
         elif quantity == "Δ log p trainer − engine":  # the mismatch monitor, token by token
             if "old_logprobs_BR" not in b or "rollout_logprobs_BR" not in b:
                 raise UsageError("this batch has no trainer log-probs beside the engine's: prepare() it with "

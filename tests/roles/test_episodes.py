@@ -238,10 +238,54 @@ def test_env_config_is_checked_before_anything_starts():
             Config.load(None, ["env.fn=rlbench_nb.envs:ToolEnv", f"algo.advantage={advantage}"])
     with pytest.raises(ValueError, match="episodes are not seeded per draw yet"):
         Config.load(None, ["env.fn=rlbench_nb.envs:ToolEnv", "run.deterministic=true"])
-    with pytest.raises(ValueError, match="HF engine only"):
-        Config.load(None, ["env.fn=rlbench_nb.envs:ToolEnv", "rollout.engine=vllm"])
+    assert Config.load(None, ["env.fn=rlbench_nb.envs:ToolEnv", "rollout.engine=vllm"]).env.fn  # both engines
     assert load_env("rlbench_nb.envs:ToolEnv") is ToolEnv
     with pytest.raises(ConfigError, match="env.fn='rlbench_nb.envs:Nope' could not be loaded"):
         load_env("rlbench_nb.envs:Nope")
     with pytest.raises(Exception, match="not a subclass of rlbench_nb.envs.Env"):
         load_env("rlbench_nb.envs:calculator")
+
+
+def test_a_turn_is_cut_where_the_hf_loop_stops(tmp_path):
+    """vLLM's turns come back whole; `_turn_length` cuts them at EOS or at the first token after which the
+    turn's tail holds a stop string — a stop string of several tokens included."""
+    from rlbench_nb.data.tasks.arithmetic import make_tokenizer
+    from rlbench_nb.roles.rollout.episodes import _turn_length
+    tok = make_tokenizer(tmp_path)
+    ids = tok.encode("*12+3=15 15", add_special_tokens=False)
+    assert _turn_length(ids, ("=",), tok, tok.eos_token_id) == len("*12+3=")
+    assert _turn_length(ids, ("5 1",), tok, tok.eos_token_id) == len("*12+3=15 1")  # three tokens
+    assert _turn_length(ids + [tok.eos_token_id] + ids, (), tok, tok.eos_token_id) == len(ids) + 1
+    assert _turn_length(ids, ("#",), tok, tok.eos_token_id) == len(ids)  # no stop: the whole turn (budget spent)
+
+
+@pytest.mark.slow  # a vLLM engine start (~30 s on 2 cores)
+def test_vllm_runs_the_same_episodes_as_the_hf_engine(taught, tmp_path):
+    """The taught model's greedy episodes from both engines, with a tool that lies (so the tokens after the
+    result depend on the environment's tokens having been fed): the same ids, masks, scores and turns, and the
+    same log-probs up to the engines' rounding (vLLM's CPU kernels vs torch's: 1e-3 is far below what a wrong
+    token costs)."""
+    pytest.importorskip("vllm")
+    from rlbench_nb.roles.rollout.vllm_engine import VLLMRolloutWorker
+    model, tok = taught
+    model.save_pretrained(str(tmp_path))
+    tok.save_pretrained(str(tmp_path))
+
+    class Liar(Calc):
+        def call(self, text):
+            return ("99", False) if "40" in text else super().call(text)
+
+    cfg = Config.load(None, ["rollout.temperature=0", "rollout.max_new_tokens=24", "rollout.engine=vllm"])
+    rows = [{"prompt": p, "answer": a} for p, a in PROMPTS.items()]
+    hf = HFRolloutWorker(cfg, str(tmp_path), tok.eos_token_id, tok.pad_token_id).generate_episodes(rows, Liar)
+    engine = VLLMRolloutWorker(cfg, str(tmp_path), tok.eos_token_id, tok.pad_token_id)
+    try:
+        out = engine.generate_episodes(rows, Liar)
+    finally:
+        engine.close()
+    assert tok.decode(out["response_ids_BR"][1][out["response_mask_BR"][1].bool()]).startswith("*40+2=99 ")
+    for key in ("response_ids_BR", "response_mask_BR", "loss_mask_BR", "prompt_ids_BP", "prompt_mask_BP",
+                "env_scores_B", "num_turns_B", "tool_calls_B"):
+        assert torch.equal(out[key], hf[key]), key
+    assert out["env_error"] == hf["env_error"]
+    torch.testing.assert_close(out["rollout_logprobs_BR"], hf["rollout_logprobs_BR"], rtol=0, atol=1e-3)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import rlbench_nb as rl
+from rlbench_nb.data.batch import Batch
 
 KEYS = ("reward/mean", "loss/policy", "loss/kl", "entropy", "actor/grad_norm", "actor/clip_frac", "kl/ref")
 
@@ -38,16 +39,18 @@ def _assert_grads_close(grads: dict, ref: dict, rtol: float = GRAD_RTOL) -> None
         assert (grads[k] - g).norm() <= rtol * g.norm() + 1e-12, (k, ((grads[k] - g).norm() / g.norm()).item())
 
 
-def _step(cfg):
-    """One step (one optimizer step): its metrics and the gradient that step applied, per parameter."""
+def _step(cfg, with_kl_coef: bool = False):
+    """One step (one optimizer step): its metrics and the gradient that step applied, per parameter (and the
+    KL controller's coefficient after it)."""
     sess = rl.Session(cfg)
     worker = sess.groups["policy"].workers[0]
     row = sess.step()
     assert row["update/skipped"] == 0
     beta1 = worker.optimizer.param_groups[0]["betas"][0]
     grads = {name: worker.optimizer.state[p]["exp_avg"] / (1 - beta1) for name, p in worker.model.named_parameters()}
+    coef = sess.kl_ctrl.value
     sess.close()
-    return _metrics(row), grads
+    return (_metrics(row), grads, coef) if with_kl_coef else (_metrics(row), grads)
 
 
 def test_chunked_head_and_activation_checkpointing_give_the_same_update(small_cfg):
@@ -63,20 +66,53 @@ def test_chunked_head_and_activation_checkpointing_give_the_same_update(small_cf
         _assert_grads_close(g, ref_g)
 
 
-def test_reused_logprobs_skip_the_prepare_forward_and_give_the_same_update(small_cfg):
-    base = ["run.tensorboard=false", "algo.entropy_coef=0.01", "train.lr=1e-2"]
-    ref_row, ref_g = _step(small_cfg(*base))
-    row, g = _step(small_cfg(*base, "algo.reuse_logprobs=true"))
-    assert "loss/kl" not in ref_row and "kl/ref" not in ref_row  # no reference model: no KL metrics at all
+@pytest.mark.parametrize("kl", [[], ["algo.kl_coef=0.05", "algo.kl_ctrl=adaptive", "algo.target_kl=0.001"]],
+                         ids=["no-reference", "kl-loss-adaptive"])
+def test_reused_logprobs_skip_the_prepare_forward_and_give_the_same_update(small_cfg, kl):
+    """The default (algo.reuse_logprobs, one epoch of one mini-batch) against prepare()'s separate forward: the
+    same update, the same metrics — kl/ref measured by the update's forward — and, with an adaptive KL
+    controller, the same coefficient after the step (it tracks the KL the update measured)."""
+    base = ["run.tensorboard=false", "algo.entropy_coef=0.01", "train.lr=1e-2", *kl]
+    ref_row, ref_g, ref_coef = _step(small_cfg(*base, "algo.reuse_logprobs=false"), with_kl_coef=True)
+    row, g, coef = _step(small_cfg(*base), with_kl_coef=True)
+    assert ("loss/kl" in ref_row and "kl/ref" in ref_row) == bool(kl)  # no reference model: no KL metrics
     _assert_rows_close(row, ref_row)
     _assert_grads_close(g, ref_g)
-    sess = rl.Session(small_cfg(*base, "algo.reuse_logprobs=true"))
+    assert coef == pytest.approx(ref_coef, rel=1e-6)  # the controller was given a KL (0: policy == reference)
+    if kl:
+        assert coef != 0.05
+    sess = rl.Session(small_cfg(*base))
     assert "old_logprobs_BR" not in sess.prepare(sess.score(sess.rollout()))  # no extra forward was run
     sess.close()
+    kl_reward = rl.Session(small_cfg(*base, "algo.kl_coef=0.05", "algo.kl_in=reward"))
+    assert "old_logprobs_BR" in kl_reward.prepare(kl_reward.score(kl_reward.rollout()))  # needed by the rewards
+    kl_reward.close()
+
+
+def test_the_update_measures_the_reference_kl_as_prepare_would(small_cfg):
+    """After a step the policy has left the reference: kl/ref and the controller's KL measured inside the
+    update's forward (reused log-probs) equal prepare()'s from its separate forward (the same weights; fp32
+    sums in another order: 1e-4 relative, as above)."""
+    from rlbench_nb.algos import masked_mean, reference_kl
+    from rlbench_nb.data.batch import trained_tokens
+    with rl.Session(small_cfg("run.tensorboard=false", "algo.kl_coef=0.05", "train.lr=1e-2",
+                              "algo.reuse_logprobs=false")) as sess:
+        sess.step()
+        batch = sess.prepare(sess.score(sess.rollout()))
+        policy = sess.groups["policy"].workers[0]
+        trained = trained_tokens(batch).float()
+        kl_BR, current = reference_kl(batch["old_logprobs_BR"], batch["ref_logprobs_BR"], trained, "k3")
+        assert current > 1e-6  # the policy moved: a KL to measure
+        reused = Batch({k: v for k, v in batch.tensors.items() if k != "old_logprobs_BR"}, batch.meta)
+        counts = {"num_tokens": trained.sum(), "num_seqs": torch.tensor(float(len(batch)))}
+        _, stats = policy._loss(reused, counts, kl_coef=0.05)
+    assert stats["kl/ref"] == pytest.approx(masked_mean(kl_BR, trained).item(), rel=1e-4)
+    assert stats["kl_current"] == pytest.approx(current, rel=1e-4)
 
 
 def test_bfloat16_keeps_fp32_masters_and_syncs_a_bf16_rollout_copy(small_cfg):
-    sess = rl.Session(small_cfg("run.tensorboard=false", "model.dtype=bfloat16", "train.lr=1e-2"))
+    sess = rl.Session(small_cfg("run.tensorboard=false", "model.dtype=bfloat16", "train.lr=1e-2",
+                                "algo.reuse_logprobs=false"))  # prepare() runs the trainer's (bf16) forward
     policy = sess.groups["policy"].workers[0]
     rollout = sess.groups["rollout"].workers[0].model
     assert {p.dtype for p in policy.model.parameters()} == {torch.float32}

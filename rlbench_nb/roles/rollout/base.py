@@ -66,6 +66,27 @@ class RolloutWorker:
         set_rng_state(state["rng"])
         self.weight_version = state["weight_version"]
 
+    def _episodes_setup(self, rows, env_cls):
+        """What `generate_episodes` needs: (tokenizer, prompt_ids, rows as dicts, a fresh `env_cls()` per row with
+        the config's env.max_turns). The prompt encoding is the session's (chat template, BOS; an observation
+        past data.max_prompt_len keeps its end); environment steps run each on a thread of its own."""
+        from transformers import AutoTokenizer
+
+        from ...data.batch import Batch
+        from ...envs import ThreadPerCall
+        from ...prompts import PromptCodec
+        if getattr(self, "_codec", None) is None:
+            self._codec = PromptCodec(AutoTokenizer.from_pretrained(self.model_dir), self.cfg.data)
+            self._env_pool = ThreadPerCall()  # a hung step holds its own thread, not the next steps' slot
+        if isinstance(rows, Batch):
+            rows = [dict(zip(rows.meta, values)) for values in zip(*rows.meta.values())]
+        limit = self.cfg.data.max_prompt_len
+        envs = [env_cls() for _ in rows]
+        if self.cfg.env.max_turns:
+            for env in envs:
+                env.max_turns = self.cfg.env.max_turns
+        return self._codec.tokenizer, lambda text: self._codec.prompt_ids(text)[-limit:], rows, envs
+
     def _mark(self) -> None:
         """Called by `generate` before it draws: the state `rewind` returns to."""
         self._before_generate = self.get_state()

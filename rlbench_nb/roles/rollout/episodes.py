@@ -1,5 +1,5 @@
-"""Multi-turn episodes in the HF engine: the model and an environment (rlbench_nb/envs) take turns in one
-sequence, token in, token out.
+"""Multi-turn episodes: the model and an environment (rlbench_nb/envs) take turns in one sequence, token in,
+token out. `run_episodes` is the HF engine's; `run_episodes_by_turns` is vLLM's (a request per model turn).
 
 The KV-cache loop of hf_engine.py, one token per step, with a queue of **forced tokens** per row: after the
 model's turn ends (EOS, or its text ends with one of the environment's stop strings) the environment's step
@@ -80,7 +80,7 @@ def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: Rollout
         if t == R - 1:  # the budget is spent: a turn cut short is scored as it stands
             ending = [i for i, r in enumerate(rows_left) if not forced[r] and (i in ending or turn_ids[r])]
         done = _take_steps(envs, [rows_left[i] for i in ending], turn_ids, turns, scores, errors, forced,
-                           tokenizer, pool, step_timeout_s, room=R - t - 1)
+                           tokenizer, pool, step_timeout_s, room=[R - t - 1] * B)
         if t == R - 1:
             break
         finished = {i for i, r in enumerate(rows_left) if r in done}
@@ -110,9 +110,9 @@ def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: Rollout
 
 
 def _take_steps(envs, ending: list[int], turn_ids, turns, scores, errors, forced, tokenizer, pool,
-                step_timeout_s: float, room: int) -> set[int]:
+                step_timeout_s: float, room: list[int]) -> set[int]:
     """The environment's answer to each row in `ending` (batch rows whose model turn just ended); queues the
-    observations' ids. Returns the rows whose episode is over."""
+    observations' ids (`room[r]`: the tokens row r has left). Returns the rows whose episode is over."""
     done: set[int] = set()
     if not ending:
         return done
@@ -123,17 +123,82 @@ def _take_steps(envs, ending: list[int], turn_ids, turns, scores, errors, forced
         turn_ids[r] = []
         if step.error:
             errors[r] = step.error
-        if step.done or step.error or turns[r] >= envs[r].max_turns or room <= 0:
+        if step.done or step.error or turns[r] >= envs[r].max_turns or room[r] <= 0:
             done.add(r)
             continue
         if step.observation:
             ids = tokenizer.encode(step.observation, add_special_tokens=False)
-            if len(ids) >= room:  # no room left for it and an answer: the episode ends here
-                errors[r] = f"the observation ({len(ids)} tokens) does not fit the {room} tokens left"
+            if len(ids) >= room[r]:  # no room left for it and an answer: the episode ends here
+                errors[r] = f"the observation ({len(ids)} tokens) does not fit the {room[r]} tokens left"
                 done.add(r)
                 continue
             forced[r].extend(ids)
     return done
+
+
+def run_episodes_by_turns(generate_turns, tokenizer, envs: list[Env], rows: list[dict], p: RolloutConfig,
+                          pool: concurrent.futures.Executor, step_timeout_s: float, *, prompt_ids=None,
+                          eos: int, pad: int) -> Batch:
+    """`run_episodes` for an engine that generates whole turns (vLLM): every running episode's next model turn is
+    one request whose prompt is the episode so far, as token ids (the engine's prefix cache keeps re-reading it
+    cheap); the turn is cut at the first stop string exactly where `run_episodes` would stop; the environment's
+    steps, token budget and output are the same. `generate_turns(seqs, budgets, stop_ids) -> [(ids, logprobs)]`
+    samples up to budgets[i] tokens after seqs[i], stopping at EOS and at `stop_ids` (stop strings that are a
+    single token: the others are cut here, after the engine went past them)."""
+    encode = prompt_ids or (lambda text: tokenizer.encode(text, add_special_tokens=False))
+    B, R = len(envs), p.max_new_tokens
+    prompts = [encode(env.reset(row)) for env, row in zip(envs, rows)]
+    response: list[list[int]] = [[] for _ in range(B)]
+    logprobs: list[list[float]] = [[] for _ in range(B)]
+    loss_mask: list[list[int]] = [[] for _ in range(B)]
+    turns, scores, errors = [0] * B, [0.0] * B, [None] * B
+    forced: list[list[int]] = [[] for _ in range(B)]
+    stop_ids = sorted({ids[0] for s in {s for env in envs for s in env.stop_strings}
+                       if len(ids := tokenizer.encode(s, add_special_tokens=False)) == 1})
+    running = [r for r in range(B) if R > 0]
+    while running:
+        outs = generate_turns([prompts[r] + response[r] for r in running], [R - len(response[r]) for r in running],
+                              stop_ids)
+        turn_ids: dict[int, list[int]] = {}
+        for r, (ids, lps) in zip(running, outs):
+            n = _turn_length(ids, envs[r].stop_strings, tokenizer, eos)
+            response[r] += ids[:n]
+            logprobs[r] += lps[:n]
+            loss_mask[r] += [1] * n
+            turn_ids[r] = [t for t in ids[:n] if t != eos]
+        done = _take_steps(envs, running, turn_ids, turns, scores, errors, forced, tokenizer, pool, step_timeout_s,
+                           room={r: R - len(response[r]) for r in running})
+        for r in running:
+            response[r] += forced[r]
+            logprobs[r] += [0.0] * len(forced[r])
+            loss_mask[r] += [0] * len(forced[r])
+            forced[r] = []
+        running = [r for r in running if r not in done]
+    width_p, width_r = max(map(len, prompts)), max(1, max(map(len, response)))
+    return Batch({"response_ids_BR": torch.tensor([x + [pad] * (width_r - len(x)) for x in response]),
+                  "response_mask_BR": torch.tensor([[1] * len(x) + [0] * (width_r - len(x)) for x in response]),
+                  "loss_mask_BR": torch.tensor([x + [0] * (width_r - len(x)) for x in loss_mask]),
+                  "rollout_logprobs_BR": torch.tensor([x + [0.0] * (width_r - len(x)) for x in logprobs]),
+                  "prompt_ids_BP": torch.tensor([[pad] * (width_p - len(x)) + x for x in prompts]),
+                  "prompt_mask_BP": torch.tensor([[0] * (width_p - len(x)) + [1] * len(x) for x in prompts]),
+                  "env_scores_B": torch.tensor(scores), "num_turns_B": torch.tensor(turns),
+                  "tool_calls_B": torch.tensor([getattr(env, "calls", 0) for env in envs]),
+                  "tool_errors_B": torch.tensor([getattr(env, "errors", 0) for env in envs])},
+                 {"env_error": [e or "" for e in errors]})
+
+
+def _turn_length(ids: list[int], stops: tuple[str, ...], tokenizer, eos: int) -> int:
+    """How many of a turn's sampled ids `run_episodes` would have kept: up to EOS, or to the first token after
+    which the turn's tail (decoded as there) holds a stop string."""
+    width = max(map(len, stops)) + 1 if stops else 0
+    for k, t in enumerate(ids):
+        if t == eos:
+            return k + 1
+        if stops:
+            tail = tokenizer.decode([x for x in ids[max(0, k + 1 - width):k + 1]])
+            if any(s in tail for s in stops):
+                return k + 1
+    return len(ids)
 
 
 def cat_episodes(parts: list[Batch], pad: int) -> Batch:

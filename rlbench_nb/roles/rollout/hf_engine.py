@@ -93,32 +93,15 @@ class HFRolloutWorker(RolloutWorker):
     def generate_episodes(self, rows: Batch | list[dict], env_cls, params: RolloutConfig | None = None) -> Batch:
         """One multi-turn episode per row (rows already repeated n times per prompt; a Batch's non-tensor fields
         are the rows), each with a fresh `env_cls()`: model and environment take turns, token in, token out
-        (episodes.py). `env.max_turns` and `env.step_timeout_s` come from the config."""
-        from transformers import AutoTokenizer
-
-        from ...envs import ThreadPerCall
-        from ...prompts import PromptCodec
+        (episodes.py), one KV cache per micro-batch as `generate`."""
         from .episodes import cat_episodes, run_episodes
         self._mark()
-        if getattr(self, "_codec", None) is None:  # the session's prompt encoding (chat template, BOS, pad)
-            self._codec = PromptCodec(AutoTokenizer.from_pretrained(self.model_dir), self.cfg.data)
-            self._env_pool = ThreadPerCall()  # a hung step holds its own thread, not the next steps' slot
-        if isinstance(rows, Batch):
-            rows = [dict(zip(rows.meta, values)) for values in zip(*rows.meta.values())]
+        tokenizer, prompt_ids, rows, envs = self._episodes_setup(rows, env_cls)
         p = params or self.cfg.rollout
-        limit = self.cfg.data.max_prompt_len
-
-        def prompt_ids(text: str) -> list[int]:
-            return self._codec.prompt_ids(text)[-limit:]  # an observation past data.max_prompt_len keeps its end
-
         parts = []
-        for start in range(0, len(rows), p.micro_batch_size):  # as generate: one KV cache per micro-batch
-            chunk = rows[start:start + p.micro_batch_size]
-            envs = [env_cls() for _ in chunk]
-            if self.cfg.env.max_turns:
-                for env in envs:
-                    env.max_turns = self.cfg.env.max_turns
-            parts.append(run_episodes(self.model, self._codec.tokenizer, envs, chunk, p, self._sample,
+        for start in range(0, len(rows), p.micro_batch_size):
+            end = start + p.micro_batch_size
+            parts.append(run_episodes(self.model, tokenizer, envs[start:end], rows[start:end], p, self._sample,
                                       self._env_pool, self.cfg.env.step_timeout_s, prompt_ids=prompt_ids,
                                       eos=self.eos, pad=self.pad))
         return cat_episodes(parts, self.pad)

@@ -61,6 +61,7 @@ class VLLMRolloutWorker(RolloutWorker):
         if not on_gpu:  # read by the engine process at start: GiB of KV cache on CPU
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(r.kv_cache_gb)
         self.eos, self.pad = eos_token_id, pad_token_id
+        self.model_dir = model_dir
         self.colocate = r.colocate and on_gpu
         kwargs = dict(tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
                       enable_sleep_mode=True) if on_gpu else {}
@@ -108,6 +109,32 @@ class VLLMRolloutWorker(RolloutWorker):
             logprobs[i, :len(toks)] = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, toks)])
         return Batch({"response_ids_BR": resp, "response_mask_BR": resp_mask,
                       "rollout_logprobs_BR": torch.nan_to_num(logprobs, neginf=0.0)})
+
+    @torch.no_grad()
+    def generate_episodes(self, rows: Batch | list[dict], env_cls, params: RolloutConfig | None = None) -> Batch:
+        """One multi-turn episode per row, as the HF engine's (episodes.py): each model turn is a request whose
+        prompt is the episode so far as token ids (prefix caching makes re-reading it cheap)."""
+        from vllm import SamplingParams
+
+        from .episodes import run_episodes_by_turns
+        self._mark()
+        tokenizer, prompt_ids, rows, envs = self._episodes_setup(rows, env_cls)
+        p = params or self.cfg.rollout
+        greedy = p.temperature == 0
+
+        def generate_turns(seqs: list[list[int]], budgets: list[int], stop_ids: list[int]):
+            seeds = torch.randint(0, 2**31 - 1, (len(seqs),)).tolist()
+            sampling = [SamplingParams(n=1, temperature=p.temperature, top_p=1.0 if greedy else p.top_p,
+                                       top_k=0 if greedy else p.top_k, max_tokens=budget,
+                                       stop_token_ids=[self.eos, *stop_ids], logprobs=0, detokenize=False, seed=s)
+                        for budget, s in zip(budgets, seeds)]
+            outs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], sampling, use_tqdm=False)
+            turns = [o.outputs[0] for o in outs]  # -inf (a token outside top-k/top-p): 0, as `generate` gives
+            return [(list(c.token_ids), [d[t].logprob if d[t].logprob > float("-inf") else 0.0
+                                         for d, t in zip(c.logprobs, c.token_ids)]) for c in turns]
+
+        return run_episodes_by_turns(generate_turns, tokenizer, envs, rows, p, self._env_pool,
+                                     self.cfg.env.step_timeout_s, prompt_ids=prompt_ids, eos=self.eos, pad=self.pad)
 
     def set_weights(self, state: dict[str, torch.Tensor], version: int) -> dict:
         """Reload new policy weights in place (through shared memory); returns bytes moved."""
