@@ -83,6 +83,9 @@ async def _call_async(fn: Callable, args: tuple, kwargs: dict) -> Outcome:
             os.chdir(cwd)
 
 
+GROW_S = 0.002  # run_here: how long calls may wait before another thread starts on them
+
+
 def _is_async(fn: Callable) -> bool:
     """An `async def` function, or an object whose `__call__` is one."""
     call = vars(type(fn)).get("__call__")  # a class's own async __call__ (not a function's wrapper)
@@ -105,6 +108,7 @@ def run_here(fn: Callable, calls: list[Call], indices: list[int], timeout_s: flo
                 t.cancel()
         # its own thread: the caller may be inside a running event loop (a Jupyter cell)
         threads = [threading.Thread(target=asyncio.run, args=(main(),), daemon=True, name="rlbench-nb-reward")]
+        threads[0].start()
     else:
         todo: queue.SimpleQueue = queue.SimpleQueue()
         for i in indices:
@@ -117,10 +121,14 @@ def run_here(fn: Callable, calls: list[Call], indices: list[int], timeout_s: flo
                 except queue.Empty:
                     return
                 report(i, _call(fn, *calls[i]))
-        threads = [threading.Thread(target=worker, daemon=True, name="rlbench-nb-reward")
-                   for _ in range(max(1, min(concurrency, len(indices))))]
-    for t in threads:
-        t.start()
+        # one thread, then one more every GROW_S while calls still wait, up to `concurrency`: a cheap function's
+        # batch runs on one thread (starting a thread costs ~0.1-1 ms, more than 64 cheap calls), a slow one (an
+        # API, a sandbox) reaches full concurrency within concurrency x GROW_S
+        threads = []
+        while len(threads) < max(1, min(concurrency, len(indices))) and not todo.empty():
+            threads.append(threading.Thread(target=worker, daemon=True, name="rlbench-nb-reward"))
+            threads[-1].start()
+            threads[-1].join(GROW_S)
     for t in threads:
         t.join(max(deadline - time.monotonic(), 0))
     return [t for t in threads if t.is_alive()]

@@ -22,6 +22,7 @@ from .conftest import REPO
         "run.eval_every=0"], marks=pytest.mark.slow),
     pytest.param("benchmarks/episodes.py", ["--repeats", "1", "--prompts", "2"],  # the tool task's warm start
                  marks=pytest.mark.slow),
+    pytest.param("benchmarks/startup.py", ["--reps", "1"], marks=pytest.mark.slow),  # ~1 min: Ray starts twice
     ("benchmarks/logprob_memory.py", ["--tokens", "64", "--vocab", "1000", "--hidden", "32"]),
     ("benchmarks/rollout_throughput.py", ["--sizes", "tiny", "--engines", "plain", "hf", "--repeats", "1"]),
     ("benchmarks/gpu_smoke.py", ["--tiny", "--steps", "1"]),

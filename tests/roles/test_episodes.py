@@ -150,7 +150,7 @@ def test_environment_tokens_get_no_gradient(small_cfg):
     from rlbench_nb.data.batch import trained_tokens
 
     with rl.Session(small_cfg("algo.kl_coef=0.1", "algo.kl_in=loss", "algo.kl_estimator=k3",
-                              "algo.entropy_coef=0.01")) as sess:
+                              "algo.entropy_coef=0.01", "algo.reuse_logprobs=false")) as sess:
         batch = sess.prepare(sess.score(sess.rollout()))
         policy = sess.groups["policy"].workers[0]
     mask = batch["response_mask_BR"]

@@ -143,6 +143,34 @@ def test_a_batch_of_hung_calls_costs_one_timeout_and_process_mode_leaves_no_thre
         w.close()
 
 
+def test_cheap_calls_share_one_thread_and_slow_ones_spread_to_full_concurrency():
+    """Threads start as calls wait (one per 2 ms of waiting): a cheap function's batch runs on one thread
+    (starting eight cost ~6 ms a step, more than the calls), a slow one still runs 8 at a time."""
+    import threading
+    import time
+
+    seen = set()
+
+    def cheap(prompt, response, answer):
+        seen.add(threading.get_ident())
+        return 1.0
+
+    w = RewardWorker(cheap, RewardConfig(isolation="thread", concurrency=8))
+    assert w.score(_calls(64))["scores_B"].tolist() == [1.0] * 64
+    assert len(seen) <= 3  # one, or two or three on a machine too busy to run the first within 2 ms; never 8
+
+    def slow(prompt, response, answer):
+        seen.add(threading.get_ident())
+        time.sleep(0.3)
+        return 1.0
+
+    seen.clear()
+    w = RewardWorker(slow, RewardConfig(isolation="thread", concurrency=8))
+    t0 = time.perf_counter()
+    assert w.score(_calls(16))["scores_B"].tolist() == [1.0] * 16
+    assert time.perf_counter() - t0 < 1.5 and len(seen) == 8  # two rounds of 8 (0.6 s), not 16 x 0.3 s
+
+
 def test_numbers_of_every_kind_are_rewards_and_async_rewards_run_together():
     import time
 
