@@ -353,6 +353,9 @@ class Session(WhatIf):
             m = dict(batch.info.get("metrics", {}))
             t0 = time.perf_counter()
             out = batch.replace()
+            if not batch.info.get("off_policy"):  # a batch prepared before: its old log-probs may be stale
+                out = Batch({k: v for k, v in out.tensors.items() if k not in ("old_logprobs_BR", "is_weights_BR")},
+                            out.meta, {k: v for k, v in out.info.items() if k != "kl_current"})
             # the roles' forward passes all at once, each on its own workers (Ray runs them side by side)
             calls = {}
             if batch.info.get("off_policy"):
@@ -360,6 +363,8 @@ class Session(WhatIf):
                 out["old_logprobs_BR"] = batch["rollout_logprobs_BR"]
             elif not self._reuses_logprobs():
                 calls["policy"] = self._submit("policy", "compute_logprobs", batch)
+            else:  # the update's own forward: valid only with these weights and these settings (update checks)
+                out.info["logprobs_epoch"] = self.guard.epoch
             if self.cfg.uses_reference:  # with LoRA: the policy's own model with its adapters off
                 calls["reference"] = (self._submit("reference", "compute_logprobs", batch) if "reference" in self.groups
                                       else self._submit("policy", "reference_logprobs", batch))
@@ -410,13 +415,19 @@ class Session(WhatIf):
         advantages need it before the update); a KL loss is measured by the update's forward."""
         t, a = self.cfg.train, self.cfg.algo
         return (a.reuse_logprobs and t.epochs == 1 and t.mini_batches == 1 and a.rollout_is == "off"
-                and not (self.cfg.uses_reference and a.kl_in == "reward"))
+                and not (self.cfg.uses_reference and a.kl_in == "reward")
+                and ("critic" not in self.groups or self.step_count >= t.critic_warmup))  # a policy update runs
 
     def update(self, batch: Batch) -> dict:
         """Critic and policy optimizer steps on `batch`, then the weights to the rollout engine. Ends the
         step: one metrics row (returned), written everywhere, and the step count moves."""
         if "advantages_BR" not in batch:
             raise UsageError("update(batch) needs a prepared batch: call sess.prepare(sess.score(batch)) first")
+        if ("old_logprobs_BR" not in batch and not batch.info.get("off_policy")
+                and (batch.info.get("logprobs_epoch") != self.guard.epoch or not self._reuses_logprobs())):
+            raise UsageError("this batch was prepared to take its old log-probs from the update's forward, and the "
+                             "weights or the settings (train.epochs, train.mini_batches, algo.rollout_is, KL) have "
+                             "changed since: prepare it again, sess.update(sess.prepare(batch))")
         with self._phase("update", changes_state=True):
             m = dict(batch.info.get("metrics", {}))
             t0 = time.perf_counter()

@@ -288,3 +288,25 @@ def test_consecutive_skipped_updates_stop_the_run_and_keep_every_row(small_cfg, 
     rows = [r for r in read_jsonl(sess.run_dir / "metrics.jsonl") if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["update/skipped"] == 1 for r in rows[1:])
     sess.close()
+
+
+def test_a_batch_prepared_to_reuse_its_forward_is_refused_once_weights_or_settings_moved(small_cfg):
+    """The default takes the old log-probs from the update's own forward, which is right only for the weights and
+    settings prepare() saw: after an update, or with two mini-batches, the update would see ratio 1 where it
+    must not. It says to prepare again; a batch prepared before keeps no stale old log-probs either."""
+    with rl.Session(small_cfg("run.tensorboard=false", "train.lr=1e-2")) as sess:
+        prepared = sess.prepare(sess.score(sess.rollout()))
+        assert "old_logprobs_BR" not in prepared
+        sess.update(prepared)
+        with pytest.raises(rl.UsageError, match=r"prepare it again, sess.update\(sess.prepare\(batch\)\)"):
+            sess.update(prepared)  # the weights moved since prepare()
+        again = sess.prepare(prepared)
+        sess.configure("train.mini_batches=2")
+        with pytest.raises(rl.UsageError, match="prepare it again"):
+            sess.update(again)  # two optimizer steps: the second needs the log-probs of before the first
+        separate = sess.prepare(again)
+        assert "old_logprobs_BR" in separate  # now prepare() runs the forward
+        sess.update(separate)
+        sess.configure("train.mini_batches=1")
+        assert "old_logprobs_BR" not in sess.prepare(separate)  # stale: from weights two updates ago
+        assert sess.step_count == 2

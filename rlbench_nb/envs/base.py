@@ -51,10 +51,18 @@ def check_env(cls, what: str) -> None:
 
 class ThreadPerCall(concurrent.futures.Executor):
     """Runs each call on a (daemon) thread of its own. A call that hangs holds only its own thread: in a fixed
-    pool it would hold a slot, and the calls queued behind it would run out their timeouts waiting."""
+    pool it would hold a slot, and the calls queued behind it would run out their timeouts waiting. Past
+    MAX_THREADS threads in the process (calls that hung and never returned pile up) a call fails at once, as a
+    thread that cannot start does: the caller's error, never a dead batch."""
+
+    MAX_THREADS = 2000
 
     def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
+        if threading.active_count() >= self.MAX_THREADS:
+            future.set_exception(RuntimeError(f"{threading.active_count()} threads are running in this process "
+                                              "(calls that hung and never returned?): not starting another"))
+            return future
 
         def run():
             if not future.set_running_or_notify_cancel():
@@ -64,7 +72,10 @@ class ThreadPerCall(concurrent.futures.Executor):
             except BaseException as e:  # noqa: BLE001 — handed to whoever waits on the future
                 future.set_exception(e)
 
-        threading.Thread(target=run, daemon=True, name=f"rlbench-call-{getattr(fn, '__name__', 'fn')}").start()
+        try:
+            threading.Thread(target=run, daemon=True, name=f"rlbench-call-{getattr(fn, '__name__', 'fn')}").start()
+        except RuntimeError as e:  # "can't start new thread": the call fails, its caller goes on
+            future.set_exception(e)
         return future
 
 

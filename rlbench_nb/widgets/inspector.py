@@ -111,7 +111,9 @@ class Inspector:
         if quantity == "KL to reference":
             if "ref_logprobs_BR" not in b:
                 raise UsageError("this batch has no reference log-probs (algo.kl_coef is 0)")
-            policy = b["old_logprobs_BR"] if "old_logprobs_BR" in b else b["rollout_logprobs_BR"]  # reused: the same
+            # reused old log-probs (algo.reuse_logprobs): the engine's stand in, equal to the trainer's up to the
+            # mismatch (mismatch/*: ~1e-6 for the HF engine in fp32; more for vLLM, bf16, or top-k/top-p sampling)
+            policy = b["old_logprobs_BR"] if "old_logprobs_BR" in b else b["rollout_logprobs_BR"]
             values = (policy[index] - b["ref_logprobs_BR"][index])[mask]
         elif quantity == "Δ log p trainer − engine":  # the mismatch monitor, token by token
             if "old_logprobs_BR" not in b or "rollout_logprobs_BR" not in b:

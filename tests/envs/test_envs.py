@@ -113,6 +113,25 @@ def test_hung_tool_calls_do_not_hold_up_the_calls_after_them():
         release.set()
 
 
+def test_a_call_that_cannot_get_a_thread_fails_alone(monkeypatch):
+    """Past ThreadPerCall.MAX_THREADS (hung calls piling up), or when the OS refuses a thread, the call's future
+    holds the error: the tool call becomes an error result, the environment step an episode's error."""
+    from rlbench_nb.envs import ThreadPerCall
+    monkeypatch.setattr(ThreadPerCall, "MAX_THREADS", 1)
+    env = Arith()
+    env.reset({"prompt": "p", "answer": "a"})
+    observation, _, done = env.step("<call>1+2</call>")
+    assert observation.startswith("<result>error: calculator raised RuntimeError: ") and "threads are running" \
+        in observation and not done
+    monkeypatch.setattr(ThreadPerCall, "MAX_THREADS", 10**6)
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    step = run_step(Arith(), "<call>1+2</call>", ThreadPerCall(), timeout_s=1.0)
+    assert step.error == "Arith.step raised RuntimeError: can't start new thread" and step.done
+
+
 def test_an_environment_that_raises_hangs_or_answers_wrongly_ends_its_episode_only():
     class Raises(Env):
         def step(self, action_text):

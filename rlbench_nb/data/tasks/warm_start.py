@@ -28,6 +28,7 @@ from ...config import ModelConfig, TaskConfig
 
 log = logging.getLogger(__name__)
 CACHE_VERSION = 2  # bump when the warm-start recipe changes
+TOOL_RECIPE_VERSION = 1  # bump when tool_arith's episodes (tool_arith.sft_rows, its tags) change
 PROBE_ROWS = 256   # training prompts the stopping rule measures (fixed, seeded): +-0.03 sampling noise
 CHECK_EVERY = 10   # steps between measurements: one forward of PROBE_ROWS rows, ~10 ms
 
@@ -37,7 +38,12 @@ def cache_root() -> Path:
 
 
 def cache_key(task: TaskConfig, model: ModelConfig) -> str:
-    blob = json.dumps({"v": CACHE_VERSION, "task": task.model_dump(), "model": model.model_dump(exclude={"path"}),
+    """The settings a built model depends on: the tool task's own (tool_share, its recipe's version) only for it,
+    so the arithmetic task's caches keep their keys."""
+    shown = task.model_dump(exclude=None if task.name == "tool_arith" else {"tool_share"})
+    if task.name == "tool_arith":
+        shown["tool_recipe"] = TOOL_RECIPE_VERSION
+    blob = json.dumps({"v": CACHE_VERSION, "task": shown, "model": model.model_dump(exclude={"path"}),
                        "torch": torch.__version__, "kernels": torch.backends.cpu.get_cpu_capability()},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

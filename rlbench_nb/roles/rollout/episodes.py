@@ -153,21 +153,28 @@ def run_episodes_by_turns(generate_turns, tokenizer, envs: list[Env], rows: list
     loss_mask: list[list[int]] = [[] for _ in range(B)]
     turns, scores, errors = [0] * B, [0.0] * B, [None] * B
     forced: list[list[int]] = [[] for _ in range(B)]
-    stop_ids = sorted({ids[0] for s in {s for env in envs for s in env.stop_strings}
-                       if len(ids := tokenizer.encode(s, add_special_tokens=False)) == 1})
+    stop_ids = sorted({ids[0] for s in {s for env in envs for s in env.stop_strings}  # the engine may stop on these
+                       if len(ids := tokenizer.encode(s, add_special_tokens=False)) == 1
+                       and s in tokenizer.decode(ids)})  # only where `_turn_length` would stop there too
     running = [r for r in range(B) if R > 0]
     while running:
         outs = generate_turns([prompts[r] + response[r] for r in running], [R - len(response[r]) for r in running],
                               stop_ids)
         turn_ids: dict[int, list[int]] = {}
+        empty = set()
         for r, (ids, lps) in zip(running, outs):
+            if not ids:  # nothing sampled: the turn cannot end and spends no budget — the episode ends instead
+                errors[r] = "the engine returned an empty turn"
+                empty.add(r)
+                continue
             n = _turn_length(ids, envs[r].stop_strings, tokenizer, eos)
             response[r] += ids[:n]
             logprobs[r] += lps[:n]
             loss_mask[r] += [1] * n
             turn_ids[r] = [t for t in ids[:n] if t != eos]
-        done = _take_steps(envs, running, turn_ids, turns, scores, errors, forced, tokenizer, pool, step_timeout_s,
-                           room={r: R - len(response[r]) for r in running})
+        room = {r: R - len(response[r]) for r in running}
+        done = empty | _take_steps(envs, list(turn_ids), turn_ids, turns, scores, errors, forced, tokenizer, pool,
+                                   step_timeout_s, room)
         for r in running:
             response[r] += forced[r]
             logprobs[r] += [0.0] * len(forced[r])
