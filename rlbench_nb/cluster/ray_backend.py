@@ -22,6 +22,16 @@ from .pools import placement
 from .transport import SharedMemoryWriter, SharedTensors, pack
 
 _STARTED_BY_US = False
+# How long a rank's lost connection waits for Ray to report the peer that died (Ray notices a killed
+# actor within about a second; gloo notices the closed socket at once).
+PEER_GRACE_S = 10.0
+# What torch.distributed says when a peer's process is gone mid-collective (gloo on CPU, NCCL on GPU).
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed",
+              "NCCL communicator was aborted", "remote process exited")
+
+
+def _lost_a_peer(message: str) -> bool:
+    return any(s.lower() in message.lower() for s in _PEER_LOST)
 
 
 def attach(cfg) -> dict:
@@ -297,9 +307,11 @@ class RayWorkerGroup:
 
     # ---- waiting with clear errors ---------------------------------------------------------------
     def _get(self, refs: list, method: str) -> list:
-        """Results by rank; the first failure (in whatever rank) is raised at once, naming that rank."""
+        """Results by rank; the first failure (in whatever rank) is raised at once, naming that rank. When
+        a rank failed because it lost its connection to a peer, the peer's death is the cause: give the
+        other ranks PEER_GRACE_S to be reported dead and name the dead one instead."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        from ray.exceptions import RayActorError, RayTaskError
         index = {ref: r for r, ref in enumerate(refs)}
         results: dict[int, Any] = {}
         pending, deadline = list(refs), time.time() + self.timeout
@@ -309,30 +321,54 @@ class RayWorkerGroup:
                 ranks = sorted(index[p] for p in pending)
                 raise WorkerError(self.role, ranks[0], method, f"no answer within cluster.call_timeout_s="
                                   f"{self.timeout:.0f}s from rank(s) {ranks} (hung, or waiting on a dead peer)")
-            ref = ready[0]
-            rank = index[ref]
+            rank = index[ready[0]]
             try:
-                results[rank] = ray.get(ref)
+                results[rank] = ray.get(ready[0])
             except RayTaskError as e:
-                cause = getattr(e, "cause", None)
-                if isinstance(cause, WorkerError):
-                    raise WorkerError(cause.role, cause.rank, cause.method, cause.summary, cause.frame,
-                                      cause.remote_traceback) from None
-                raise WorkerError(self.role, rank, method, str(e).splitlines()[-1], None, str(e)) from None
+                error = self._task_error(e, rank, method)
+                if pending and _lost_a_peer(str(e)):
+                    died = self._first_death(pending, index, method)
+                    if died is not None:
+                        raise died from None
+                raise error from None
             except RayActorError as e:
-                lost = _lost_cluster_error()
-                if lost is not None:
-                    raise lost from None
-                last = self.memory.get(rank, {})
-                oom = (f" It ran out of memory (last reported {last.get('rss_gb', 0.0):.2f} GB resident): "
-                       f"{OOM_KNOBS}.") if is_out_of_memory(e) else ""
-                raise WorkerDiedError(self.role, rank, method, f"the worker process died (pid "
-                                      f"{self.info.get(rank, {}).get('pid', '?')}): {str(e).splitlines()[0]}.{oom} "
-                                      f"Restart the role with sess.restart('{self.role}'), or run(..., "
-                                      f"on_failure='restore')") from None
-            except GetTimeoutError:  # pragma: no cover - ray.wait handles the deadline
-                raise
+                raise self._death(e, rank, method) from None
         return [results[r] for r in range(len(refs))]
+
+    def _task_error(self, e, rank: int, method: str) -> WorkerError:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, WorkerError):
+            return WorkerError(cause.role, cause.rank, cause.method, cause.summary, cause.frame,
+                               cause.remote_traceback)
+        return WorkerError(self.role, rank, method, str(e).splitlines()[-1], None, str(e))
+
+    def _death(self, e, rank: int, method: str) -> ClusterError | WorkerDiedError:
+        lost = _lost_cluster_error()
+        if lost is not None:
+            return lost
+        last = self.memory.get(rank, {})
+        oom = (f" It ran out of memory (last reported {last.get('rss_gb', 0.0):.2f} GB resident): "
+               f"{OOM_KNOBS}.") if is_out_of_memory(e) else ""
+        return WorkerDiedError(self.role, rank, method, f"the worker process died (pid "
+                               f"{self.info.get(rank, {}).get('pid', '?')}): {str(e).splitlines()[0]}.{oom} "
+                               f"Restart the role with sess.restart('{self.role}'), or run(..., "
+                               f"on_failure='restore')")
+
+    def _first_death(self, pending: list, index: dict, method: str) -> ClusterError | WorkerDiedError | None:
+        """The death of one of the `pending` ranks, if Ray reports it within PEER_GRACE_S."""
+        import ray
+        from ray.exceptions import RayActorError
+        deadline = time.time() + PEER_GRACE_S
+        while pending and time.time() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.time(), 0))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except RayActorError as e:
+                    return self._death(e, index[ref], method)
+                except Exception:  # noqa: BLE001 - another peer's own error: keep waiting for a death
+                    pass
+        return None
 
     def _calls(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> list:
         return self.collect(self._submit(method, per_rank_args, kwargs))

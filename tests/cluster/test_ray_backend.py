@@ -175,6 +175,37 @@ def test_dead_worker_is_named_and_the_role_restarts(ray_cluster, small_cfg):
     sess.close()
 
 
+@ray.remote
+class _Rank:
+    def fail(self, how: str, after_s: float):
+        import time
+        time.sleep(after_s)
+        if how == "die":
+            os._exit(1)
+        raise RuntimeError(f"[gloo/transport/tcp/pair.cc] Read error: {how}")
+
+
+def test_a_rank_that_lost_its_peer_names_the_peer_that_died(ray_cluster):
+    """Kill one rank mid-collective and the other fails at once with gloo's "Connection reset by peer",
+    often before Ray has noticed the death: the error must name the dead rank, not the survivor's
+    symptom. (Seen in CI: "policy rank 0 failed in update(): ... Connection reset by peer".)"""
+    from rlbench_nb.cluster.ray_backend import RayWorkerGroup
+    group = object.__new__(RayWorkerGroup)
+    group.role, group.timeout, group.memory, group.info = "policy", 60.0, {}, {1: {"pid": 4242}}
+    ranks = [_Rank.remote(), _Rank.remote()]
+    refs = [ranks[0].fail.remote("Connection reset by peer", 0.0), ranks[1].fail.remote("die", 1.0)]
+    died = r"policy rank 1 failed in update\(\): the worker process died \(pid 4242"
+    with pytest.raises(WorkerDiedError, match=died):
+        group._get(refs, "update")
+    # a rank's own error (nothing about a peer) is raised at once, naming that rank
+    ranks = [_Rank.remote(), _Rank.remote()]
+    refs = [ranks[0].fail.remote("bad shape", 0.0), ranks[1].fail.remote("die", 30.0)]
+    with pytest.raises(WorkerError, match=r"policy rank 0 failed in update\(\): .*bad shape"):
+        group._get(refs, "update")
+    for r in ranks:
+        ray.kill(r)
+
+
 def test_colocated_rollout_lives_in_the_policy_process(ray_cluster, small_cfg):
     """rollout.colocate: the engine is a second worker in the policy's actor; weights are handed over in
     memory; restarting the policy takes its guest along."""
