@@ -66,7 +66,9 @@ def model_dir(size: str, root: Path) -> Path:
     from rlbench_nb.data.tasks.arithmetic import make_model, make_tokenizer
     path = root / size
     tok = make_tokenizer(path)
-    make_model(ModelConfig(**SIZES[size][0]), len(tok), seed=0).save_pretrained(str(path))
+    model = make_model(ModelConfig(**SIZES[size][0]), len(tok), seed=0)
+    model.config.max_position_embeddings = 128  # rotary: room for 32 prompt + 64 new tokens, same weights
+    model.save_pretrained(str(path))
     return path
 
 

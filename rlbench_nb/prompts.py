@@ -37,7 +37,8 @@ class PromptCodec:
 
     def encode(self, rows: list[dict], n: int, tag: str) -> Batch:
         """Rows repeated n times, prompts tokenised (once per row) and left-padded. Samples of one row share
-        a `group` id ('<tag>-<row>'); the rows' other fields ride along (`info["row_fields"]`)."""
+        a `group` id ('<tag>-<row>'); the rows' other fields ride along (`info["row_fields"]`); `info["tag"]`
+        names the draw to the rollout engine (what `rewind` checks)."""
         ids = [x for r in rows for x in [self.prompt_ids(r["prompt"])] * n]
         width = max(map(len, ids))
         pad = self.tokenizer.pad_token_id
@@ -48,7 +49,8 @@ class PromptCodec:
         row_fields = sorted({k for r in rows for k in r} - {"prompt"})
         for key in row_fields:
             meta[key] = [r.get(key) for r in rows for _ in range(n)]
-        return Batch({"prompt_ids_BP": prompt_ids, "prompt_mask_BP": prompt_mask}, meta, {"row_fields": row_fields})
+        return Batch({"prompt_ids_BP": prompt_ids, "prompt_mask_BP": prompt_mask}, meta,
+                     {"row_fields": row_fields, "tag": tag})
 
     def decode(self, batch: Batch) -> Batch:
         """A new batch with the responses as text (special tokens dropped) and their lengths in tokens."""

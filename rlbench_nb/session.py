@@ -515,7 +515,7 @@ class Session(WhatIf):
         except KeyboardInterrupt:
             with deferred_interrupts("rewinding the interrupted step"):
                 self.sampler.load_state_dict(data_position)
-                self.groups["rollout"].call("rewind")
+                self.groups["rollout"].call("rewind", f"s{self.step_count}")  # this step's draw, if it ran
             raise
         return self.update(batch)
 

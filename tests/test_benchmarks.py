@@ -29,6 +29,7 @@ from .conftest import REPO
     ("benchmarks/soak.py", ["--steps", "3", "--every", "1"]),
     ("benchmarks/reward_isolation.py", ["--batches", "4", "--reps", "1"]),
     ("benchmarks/whatif.py", ["--backends", "local", "--reps", "1"]),
+    ("benchmarks/packing.py", ["--size", "tiny", "--prompts", "4", "--max-len", "16", "--reps", "1"]),
     pytest.param("benchmarks/lora.py", ["--sizes", "20m", "--steps", "1", "--warmup", "0", "--reps", "1"],
                  marks=[pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("peft") is None,
                                                              reason="peft not installed")]),
@@ -45,4 +46,5 @@ def test_benchmark_script_runs(script, args, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads(out_json.read_text())
     assert data
-    assert any(h in out.stdout for h in ("backend", "mode", "method", "engine", "phase", "controller", "framework"))
+    assert any(h in out.stdout for h in ("backend", "mode", "method", "engine", "phase", "controller", "framework",
+                                          "layout"))

@@ -251,3 +251,30 @@ def test_calls_started_together_are_each_collected_once_and_the_first_failure_wi
     with pytest.raises(KeyboardInterrupt):
         _finish_all(interrupted, (ok, "not waited for"))
     assert ok.collected[-1] == "still collected"
+
+
+@pytest.mark.parametrize("where", ["before its rollout", "after its rollout"])
+def test_a_step_interrupted_then_run_again_draws_what_a_straight_run_draws(small_cfg, monkeypatch, where):
+    """Ctrl-C in a step rewinds the data position and, if this step's rollout drew, the sampling RNG: the step
+    run again is the straight run's. Interrupted before its own draw, the engine must not go back to the
+    previous step's draw (it did: a resumed run then repeated that step's samples; seen in CI as a resumed
+    run's step 11 differing from a straight run's)."""
+    straight = rl.Session(small_cfg("run.tensorboard=false"))
+    want = [straight.step() for _ in range(2)][1]
+    straight.close()
+    sess = rl.Session(small_cfg("run.tensorboard=false"))
+    sess.step()
+    target = (sess.prompts, "encode") if where == "before its rollout" else (sess, "score")
+    original = getattr(*target)
+
+    def interrupted(*a, **k):
+        monkeypatch.setattr(*target, original)  # once
+        raise KeyboardInterrupt
+    monkeypatch.setattr(*target, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sess.step()
+    got = sess.step()
+    assert sess.step_count == 2
+    keys = ("reward/mean", "response_len/mean", "loss/policy", "entropy", "actor/grad_norm")
+    assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
+    sess.close()

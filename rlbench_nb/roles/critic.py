@@ -14,6 +14,7 @@ from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
 from . import shards
 from .common import DTYPES, full_sequences, make_adamw, pick_device, response_hidden_slice
+from .packing import SEQUENCE_FIELDS, micro_batches, pack_sequences, packs
 from .snapshots import SnapshotHolder
 from .trainer import adam_steps, optimizer_steps
 
@@ -30,8 +31,9 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids).last_hidden_state
+        # no KV cache: transformers reads packed rows' restarting positions only without one (roles/packing.py)
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
         return self.head(h).squeeze(-1).float().clone()  # not a view: FSDP2's backward hooks need a fresh tensor
 
 
@@ -58,6 +60,11 @@ class CriticWorker(SnapshotHolder):
             group.update(lr=t.critic_lr, betas=t.betas, weight_decay=t.weight_decay)
 
     def _values(self, batch: Batch) -> torch.Tensor:
+        if packs(self.cfg.train.pack_sequences, batch["prompt_mask_BP"], batch["response_mask_BR"]):
+            # padding-free rows (roles/packing.py); zero on padding
+            rows = pack_sequences(*(batch[k].to(self.device) for k in SEQUENCE_FIELDS))
+            with torch.autocast(self.device.type, dtype=DTYPES[self.cfg.model.dtype], enabled=self.autocast):
+                return rows.scatter(self.model(rows.ids_NW, None, rows.positions_NW)[rows.rows_K, rows.cols_K])
         ids, mask, pos = (x.to(self.device) for x in full_sequences(batch))
         with torch.autocast(self.device.type, dtype=DTYPES[self.cfg.model.dtype], enabled=self.autocast):
             return self.model(ids, mask, pos)[:, response_hidden_slice(batch)]
@@ -65,8 +72,9 @@ class CriticWorker(SnapshotHolder):
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """{"values_BR": V(s_t) before each response token}, zeroed on padding."""
+        t = self.cfg.train
         parts = [(self._values(mb).cpu() * mb["response_mask_BR"])
-                 for mb in batch.split(self.cfg.train.micro_batch_size)]
+                 for mb in micro_batches(batch, t.micro_batch_size, t.max_tokens_per_micro_batch, t.pack_sequences)]
         return Batch({"values_BR": torch.cat(parts)})
 
     def update(self, batch: Batch) -> dict:

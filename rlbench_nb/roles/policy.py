@@ -27,6 +27,7 @@ from .common import (
     rng_state,
     set_rng_state,
 )
+from .packing import micro_batches
 from .scorer import TokenScorer
 from .snapshots import SnapshotHolder
 from .trainer import adam_steps, optimizer_steps
@@ -61,6 +62,7 @@ class ReferenceWorker:
         # what it is built around) nor activation checkpointing (HF turns the cache off there)
         self.scorer.share_prefix = (cfg.train.share_prompt_prefix and not self.sharded
                                     and not (self.trains and cfg.train.activation_checkpointing))
+        self.scorer.pack = cfg.train.pack_sequences
         if not self.lora:  # peft has frozen all but the adapters
             self.model.requires_grad_(self.trains)
         self.model.train(self.trains)
@@ -73,7 +75,9 @@ class ReferenceWorker:
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, key: str = "ref_logprobs_BR") -> Batch:
         """{key: [B, R] log-probs of the response tokens}, computed in micro-batches."""
-        parts = [self._forward(mb)[0].cpu() for mb in batch.split(self.cfg.train.micro_batch_size)]
+        t = self.cfg.train
+        parts = [self._forward(mb)[0].cpu()
+                 for mb in micro_batches(batch, t.micro_batch_size, t.max_tokens_per_micro_batch, t.pack_sequences)]
         return Batch({key: torch.cat(parts)})
 
     def memory(self) -> dict:
@@ -83,6 +87,7 @@ class ReferenceWorker:
         """Settings that do not change shapes (a branch's algorithm, loss, sampling temperature, lr)."""
         self.cfg = cfg
         self.scorer.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.scorer.pack = cfg.train.pack_sequences
 
     def local_shards(self) -> dict[str, tuple[tuple, str]]:
         """(shape, dtype) of this rank's parameter shards (the full tensors when not sharded)."""

@@ -8,6 +8,7 @@ LM head are gathered inside its forward and the head weight can be used directly
 full [B, T, V] logits are never built. `chunk_size=0` falls back to the model's own forward (full
 logits), which is also what models with logit soft-capping or scaling use. `chunk_mb` bounds one
 chunk's fp32 logits: at V=152k, 256 MiB is ~440 tokens; at the built-in task's V=18 everything is one chunk.
+With `pack` (train.pack_sequences) the decoder runs on padding-free rows instead (roles/packing.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import nn
 from ..algos import entropy_from_logits
 from ..ops import chunk_tokens, token_logprobs_entropy
 from .common import join_sequences, token_logprobs
+from .packing import pack_sequences, packs
 
 
 def _has_custom_logits(config) -> bool:
@@ -35,10 +37,13 @@ class TokenScorer(nn.Module):
         self.compute_dtype = compute_dtype
         self.autocast = autocast  # mixed precision without FSDP2: fp32 weights, matmuls in compute_dtype
         self.share_prefix = False  # set by the worker once it knows whether it is sharded (roles/policy.py)
+        self.pack: bool | str = False  # train.pack_sequences (true, false, auto): padding-free rows (roles/packing.py)
 
     def forward(self, prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR, with_entropy: bool = True):
         """Log-probs [B, R] of the response tokens after their (left-padded) prompts, and the entropy of
         the distribution at each of those positions ([B, R], or None)."""
+        if packs(self.pack, prompt_mask_BP, response_mask_BR):
+            return self._packed(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR, with_entropy)
         B, R = response_ids_BR.shape
         with torch.autocast(prompt_ids_BP.device.type, dtype=self.compute_dtype, enabled=self.autocast):
             if self.chunk_size == 0:
@@ -54,6 +59,23 @@ class TokenScorer(nn.Module):
                                          self.temperature, self.chunk_size)
         # fresh tensors, not views: FSDP2 hooks the root's outputs for backward, and a view could lose that
         return lp.view(B, R).clone(), (ent.view(B, R).clone() if with_entropy else None)
+
+    def _packed(self, prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR, with_entropy: bool):
+        """`forward` on padding-free rows: the same numbers, zero on padding."""
+        rows = pack_sequences(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR)
+        ids_K = response_ids_BR[rows.mask_BR]
+        with torch.autocast(prompt_ids_BP.device.type, dtype=self.compute_dtype, enabled=self.autocast):
+            if self.chunk_size == 0:
+                logits = self.lm(input_ids=rows.ids_NW, position_ids=rows.positions_NW,
+                                 use_cache=False).logits[rows.rows_K, rows.cols_K].float() / self.temperature
+                lp, ent = token_logprobs(logits, ids_K), (entropy_from_logits(logits) if with_entropy else None)
+            else:
+                h = self.lm.get_decoder()(input_ids=rows.ids_NW, position_ids=rows.positions_NW,
+                                          use_cache=False).last_hidden_state[rows.rows_K, rows.cols_K]
+        if self.chunk_size:
+            lp, ent = token_logprobs_entropy(h.to(self.compute_dtype), self.lm.get_output_embeddings().weight, ids_K,
+                                             self.temperature, self.chunk_size)
+        return rows.scatter(lp), (rows.scatter(ent) if with_entropy else None)
 
     def _response_hidden(self, prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR):
         """Last hidden states at the positions that predict each response token: [B, R, H].

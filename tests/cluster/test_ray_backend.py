@@ -40,26 +40,30 @@ def test_two_fsdp_ranks_match_one_rank(ray_cluster, small_cfg):
     1e-3 relative (seen: 1.2e-4; a rank on the wrong rows is off by >1e-2), and the weights' difference must
     stay under 2% of how far they moved (a real mismatch moves them as far as the update itself)."""
     results = {}
-    for ranks in (1, 2):
+    # packed rows cut by a token budget: each rank's count of micro-batches follows its own rows' lengths,
+    # and the ranks must still agree on it (each forward is a collective)
+    packed = ["train.pack_sequences=true", "train.max_tokens_per_micro_batch=20"]
+    for name, ranks, extra in ((1, 1, []), (2, 2, []), ("2-packed", 2, packed)):
         # whole sequences on both sides: the shared-prompt-prefix forward (one rank only) rounds differently
         sess = rl.Session(small_cfg(*RAY, f"cluster.train_ranks={ranks}", "algo.kl_coef=0.05",
                                     "train.share_prompt_prefix=false", "train.mini_batches=2",
-                                    "train.micro_batch_size=4"))
+                                    "train.micro_batch_size=4", *extra))
         assert sess.groups["policy"].world_size == ranks
         start = sess.groups["policy"].call("get_weights")[0]
         rows = [sess.step() for _ in range(2)]
-        results[ranks] = ([_comparable(r) for r in rows], sess.groups["policy"].call("get_weights")[0])
+        results[name] = ([_comparable(r) for r in rows], sess.groups["policy"].call("get_weights")[0])
         if ranks == 2:  # the policy really is sharded: each rank holds half of a layer's weight
             shards = sess.groups["policy"].call("local_shards")
             assert shards[0]["model.layers.0.mlp.up_proj.weight"][0][0] * 2 == 256
         sess.close()
-    (rows1, w1), (rows2, w2) = results[1], results[2]
-    assert rows1[0]["reward/mean"] == rows2[0]["reward/mean"]  # the same samples
-    for a, b in zip(rows1, rows2):
-        assert a == pytest.approx(b, rel=1e-3, abs=1e-6)
-    assert w1.keys() == w2.keys()
-    for k in w1:
-        assert (w1[k] - w2[k]).norm() <= 0.02 * (w1[k] - start[k]).norm() + 1e-7, k
+    rows1, w1 = results[1]
+    for rows2, w2 in (results[2], results["2-packed"]):
+        assert rows1[0]["reward/mean"] == rows2[0]["reward/mean"]  # the same samples
+        for a, b in zip(rows1, rows2):
+            assert a == pytest.approx(b, rel=1e-3, abs=1e-6)
+        assert w1.keys() == w2.keys()
+        for k in w1:
+            assert (w1[k] - w2[k]).norm() <= 0.02 * (w1[k] - start[k]).norm() + 1e-7, k
 
 
 @pytest.mark.slow

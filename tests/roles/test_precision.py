@@ -135,13 +135,14 @@ def test_bfloat16_keeps_fp32_masters_and_syncs_a_bf16_rollout_copy(small_cfg):
 def test_shared_prompt_prefix_gives_the_same_logprobs_gradients_and_update(small_cfg):
     """Each distinct prompt runs once and its KV cache serves its rollout.n responses: the same numbers as
     whole sequences, with the gradient reaching the prompt positions through the cache."""
-    base = ["run.tensorboard=false", "algo.kl_coef=0.05", "algo.entropy_coef=0.01", "train.lr=1e-2"]
+    base = ["run.tensorboard=false", "algo.kl_coef=0.05", "algo.entropy_coef=0.01", "train.lr=1e-2",
+            "train.pack_sequences=false"]  # packed rows replace the shared prefix where they run
     ref_row, ref_g = _step(small_cfg(*base, "train.share_prompt_prefix=false"))
     row, g = _step(small_cfg(*base))
     _assert_rows_close(row, ref_row)
     _assert_grads_close(g, ref_g)
 
-    sess = rl.Session(small_cfg("run.tensorboard=false"))
+    sess = rl.Session(small_cfg("run.tensorboard=false", "train.pack_sequences=false"))
     policy = sess.groups["policy"].workers[0]
     batch = sess.score(sess.rollout())
     mask = batch["response_mask_BR"].bool()

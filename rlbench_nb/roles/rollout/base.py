@@ -87,15 +87,20 @@ class RolloutWorker:
                 env.max_turns = self.cfg.env.max_turns
         return self._codec.tokenizer, lambda text: self._codec.prompt_ids(text)[-limit:], rows, envs
 
-    def _mark(self) -> None:
-        """Called by `generate` before it draws: the state `rewind` returns to."""
-        self._before_generate = self.get_state()
+    def _mark(self, batch) -> None:
+        """Called by `generate` before it draws: the state `rewind` returns to, with the draw's tag."""
+        from ...data.batch import Batch
+        tag = batch.info.get("tag") if isinstance(batch, Batch) else None
+        self._before_generate = (tag, self.get_state())
 
-    def rewind(self) -> None:
-        """Back to the sampling RNG before the last `generate`: a step interrupted after its rollout never
-        happened, so the next one draws the same samples (what a resume from a checkpoint saved then needs)."""
-        if getattr(self, "_before_generate", None) is not None:
-            self.set_state(self._before_generate)
+    def rewind(self, tag: str) -> None:
+        """Back to the sampling RNG before the draw tagged `tag` (Prompts.encode): a step interrupted after its
+        rollout never happened, so the next one draws the same samples (what a resume from a checkpoint saved
+        then needs). Nothing when the last draw was another (the step was interrupted before its own): going
+        back to an earlier step's draw would repeat that step's samples."""
+        marked = getattr(self, "_before_generate", None)
+        if marked is not None and marked[0] == tag:
+            self.set_state(marked[1])
 
     def memory(self) -> dict:
         return memory_snapshot()  # of this process (a vLLM engine's own processes are not counted)

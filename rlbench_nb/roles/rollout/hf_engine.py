@@ -29,7 +29,7 @@ class HFRolloutWorker(RolloutWorker):
     @torch.no_grad()
     def generate(self, batch: Batch, params: RolloutConfig | None = None) -> Batch:
         """Sample one response per row (rows are already repeated n times per prompt)."""
-        self._mark()
+        self._mark(batch)
         p = params or self.cfg.rollout
         gen = sampling_generator(batch, self.device)  # run.deterministic: seeded per draw (determinism.py)
         parts = [self._generate(mb, p, gen) for mb in batch.split(p.micro_batch_size)]
@@ -95,7 +95,7 @@ class HFRolloutWorker(RolloutWorker):
         are the rows), each with a fresh `env_cls()`: model and environment take turns, token in, token out
         (episodes.py), one KV cache per micro-batch as `generate`."""
         from .episodes import cat_episodes, run_episodes
-        self._mark()
+        self._mark(rows)
         tokenizer, prompt_ids, rows, envs = self._episodes_setup(rows, env_cls)
         p = params or self.cfg.rollout
         parts = []

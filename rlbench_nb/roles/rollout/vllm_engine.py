@@ -85,7 +85,7 @@ class VLLMRolloutWorker(RolloutWorker):
     def generate(self, batch: Batch, params: RolloutConfig | None = None) -> Batch:
         """Sample one response per row (rows are already repeated n times per prompt)."""
         from vllm import SamplingParams
-        self._mark()
+        self._mark(batch)
         p = params or self.cfg.rollout
         ids, mask = batch["prompt_ids_BP"], batch["prompt_mask_BP"].bool()
         prompts = [{"prompt_token_ids": row[m].tolist()} for row, m in zip(ids, mask)]
@@ -117,7 +117,7 @@ class VLLMRolloutWorker(RolloutWorker):
         from vllm import SamplingParams
 
         from .episodes import run_episodes_by_turns
-        self._mark()
+        self._mark(rows)
         tokenizer, prompt_ids, rows, envs = self._episodes_setup(rows, env_cls)
         p = params or self.cfg.rollout
         greedy = p.temperature == 0
