@@ -2,8 +2,9 @@
 scripts all run, in the foreground or, with `background=True`, in a worker thread under an asyncio task
 on the kernel's loop (the kernel stays free for other cells and widget clicks).
 
-Per step: rollout -> score -> prepare -> update (with `async_rollout`, the next batch is generated while
-this one trains), then the cadence — evaluation, checkpoint, rollout files — and finally summary.json.
+Per step: rollout -> score -> prepare -> update (with `async_rollout`, the next batches, up to
+`max_staleness` of them, are generated while this one trains), then the cadence — evaluation,
+checkpoint, rollout files — and finally summary.json.
 `RunControl` is checked at every step boundary: pause, resume and stop never cut a phase in half.
 """
 from __future__ import annotations
@@ -12,6 +13,8 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .cluster.errors import WorkerError
@@ -53,23 +56,24 @@ class RunControl:
         return not self.stopped
 
 
-def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, on_failure: str = "raise",
-             control: RunControl | None = None, progress: bool = True) -> dict:
+def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, max_staleness: int = 1,
+             on_failure: str = "raise", control: RunControl | None = None, progress: bool = True) -> dict:
     """Train for `steps` steps past the session's current step; evaluate before (once per session) and
     after; write summary.json and return it. See `Session.run` for the options."""
+    ahead = max_staleness if async_rollout else 0  # rollouts queued ahead of the step being trained
     from tqdm.auto import tqdm
     t0 = time.time()
     start, target, restores, failed_at = sess.step_count, sess.step_count + steps, 0, -1
     sess.run_target = target  # the dashboard's "step / total" and ETA
     before = sess.evals[0] if sess.evals else sess.evaluate()
     bar = tqdm(total=steps, desc="train", disable=not progress, dynamic_ncols=True)
-    pending = None  # async: the next batch's rollout, started before this step's update
+    pending: deque = deque()  # async: the next batches' rollouts, started before this step's update
     try:
         while True:  # until done; a worker failure anywhere (step, evaluation, save) restores and goes on
             try:
                 _catch_up(sess, start)  # what a restore interrupted: this step's evaluation or checkpoint
                 while sess.step_count < target and (control is None or control.proceed()):
-                    row, pending = _one_step(sess, pending, async_rollout, target)
+                    row = _one_step(sess, pending, ahead, target)
                     bar.update(1)
                     bar.set_postfix(reward=f"{row['reward/mean']:.3f}", step_s=f"{row['time/step_s']:.2f}")
                     _catch_up(sess, start)
@@ -84,30 +88,67 @@ def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, on_failu
                 if on_failure != "restore" or restores >= MAX_RESTORES:
                     raise
                 restores, failed_at = restores + 1, max(failed_at, sess.step_count)
-                pending = None  # an in-flight rollout belongs to the failed state
+                _discard(sess, pending)  # in-flight rollouts belong to the failed state
                 _restore_after(sess, e)
                 bar.n = max(0, sess.step_count - start)
                 bar.refresh()
     finally:
         bar.close()
-        if pending is not None:  # a rollout queued for a step that will not come: let it finish quietly
-            sess._discard_rollout(pending)
+        _discard(sess, pending)  # rollouts queued for steps that will not come
     summary = _summary(sess, before, after, time.time() - t0, sess.step_count - start)
     summary.update(target=target, stopped=bool(control is not None and control.stopped))
     sess.rundir.write_summary(summary)
     return summary
 
 
-def _one_step(sess: Session, pending, async_rollout: bool, target: int) -> tuple[dict, tuple | None]:
-    """One step; with `async_rollout` the next batch's rollout is started before this one's update."""
-    if not async_rollout:
-        return sess.step(), None
+@dataclass
+class _Ahead:
+    """A rollout started ahead of the step that trains on it."""
+    started: tuple         # Session._start_rollout's
+    version: int           # the policy's step count when it was queued: its weights generate it
+    data_position: dict    # the sampler before its draw (a discarded rollout gives its prompts back)
+
+
+def _one_step(sess: Session, pending: deque, ahead: int, target: int) -> dict:
+    """One step. With `ahead` = k > 0 (async_rollout, max_staleness=k), up to k rollouts are kept queued
+    before this step's update: the rollout engine runs them in order, each with the weights pushed before
+    it was queued, so a batch is trained on at most k steps after the weights that generated it."""
+    if not ahead:
+        return sess.step()
     t_step = time.perf_counter()
-    batch = sess._finish_rollout(pending or sess._start_rollout())
-    batch.info.update(off_policy=True, wall_start=t_step)
-    # queued before this update's weight push: generated with the weights of this step
-    pending = sess._start_rollout() if sess.step_count + 1 < target else None
-    return sess.update(sess.prepare(sess.score(batch))), pending
+    if not pending:
+        pending.append(_start(sess))
+    this = pending.popleft()
+    try:
+        batch = sess._finish_rollout(this.started)
+        batch.info.update(off_policy=True, wall_start=t_step)
+        batch.info["metrics"]["async/staleness"] = float(sess.step_count - this.version)
+        while len(pending) < ahead and sess.step_count + 1 + len(pending) < target:
+            pending.append(_start(sess))  # queued before this update's weight push: generated with older weights
+        batch = sess.prepare(sess.score(batch))
+    except KeyboardInterrupt:  # this step never happened: its prompts, and those queued after, come next
+        _discard(sess, pending)
+        sess.sampler.load_state_dict(this.data_position)
+        raise
+    return sess.update(batch)
+
+
+def _start(sess: Session) -> _Ahead:
+    position = sess.sampler.state_dict()
+    try:
+        return _Ahead(sess._start_rollout(), sess.step_count, position)
+    except KeyboardInterrupt:  # held until the draw was made (phases end first): give its prompts back
+        sess.sampler.load_state_dict(position)
+        raise
+
+
+def _discard(sess: Session, pending: deque) -> None:
+    """Let queued rollouts finish quietly (their workers free again) and give their prompts back to the data
+    order: the next rollout draws what the first of them drew."""
+    if pending:
+        sess.sampler.load_state_dict(pending[0].data_position)
+    while pending:
+        sess._discard_rollout(pending.popleft().started)
 
 
 def _catch_up(sess: Session, start: int) -> None:

@@ -49,7 +49,7 @@ from .determinism import configure_process, sample_seeds
 from .envs import load_env
 from .errors import UsageError
 from .guard import SessionGuard, deferred_interrupts
-from .metrics import compute
+from .metrics import compute, timeline
 from .metrics.health import SkipWatch
 from .metrics.log import MetricsLog
 from .metrics.trackers import make_trackers
@@ -436,6 +436,8 @@ class Session(WhatIf):
             m.update({"time/update_s": seconds, **compute.memory_metrics(self.groups),
                       **compute.throughput(batch, "update", seconds, self.cfg.train.epochs)})
             m["time/step_s"] = compute.step_seconds(m, batch.info.get("wall_start"))
+            if "async/staleness" in m:  # a run's async step (runner.py): how busy each side kept the other
+                m.update(timeline.idle_fractions(self.groups, batch.info["wall_start"], m["time/step_s"]))
             self._mismatch_alarm(m)
             self._commit_step(batch, m)
             return m
@@ -588,13 +590,16 @@ class Session(WhatIf):
 
     # ---- runs -----------------------------------------------------------------------------------
     def run(self, steps: int | None = None, *, progress: bool = True, async_rollout: bool = False,
-            background: bool = False, on_failure: str = "raise"):
+            max_staleness: int = 1, background: bool = False, on_failure: str = "raise"):
         """`steps` iterations (default run.steps) with a progress bar; held-out accuracy before and after.
 
         With `async_rollout=True` the next batch is generated while this one is scored, prepared and
         trained on (one step off-policy; the loss's importance ratio uses the generating policy's
-        log-probs). Under the `local` backend there is nothing to overlap with, so it only changes which
-        weights generate. Writes `summary.json` into the run directory and returns it.
+        log-probs). `max_staleness=k` keeps up to k batches generating ahead (each trained on at most k steps
+        after the weights that generated it: `async/staleness` in the metrics, with `async/rollout_idle` and
+        `async/trainer_idle`); 0 is the synchronous loop itself. Under the `local` backend there is nothing to
+        overlap with, so it only changes which weights generate. Writes `summary.json` into the run
+        directory and returns it.
 
         With `background=True` (in a Jupyter kernel) the same loop runs in a worker thread and this returns
         a `BackgroundRun` at once: the kernel stays free, `sess.pause()` / `resume()` / `stop()` (or the
@@ -610,6 +615,8 @@ class Session(WhatIf):
         from .runner import BackgroundRun, run_loop
         if on_failure not in ("raise", "restore"):
             raise UsageError(f"on_failure={on_failure!r}: use 'raise' or 'restore'")
+        if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
+            raise UsageError(f"max_staleness={max_staleness!r}: a whole number of steps, 0 or more (0: synchronous)")
         if async_rollout and self.cfg.rollout.colocate:
             raise UsageError("async_rollout overlaps generation with the update, but rollout.colocate runs the "
                              "rollout engine on the trainers' devices (under Ray, in the policy's processes), "
@@ -618,10 +625,12 @@ class Session(WhatIf):
             self.background.raise_error()  # a background run's failure surfaces at the next run()
         steps = self.cfg.run.steps if steps is None else steps
         if background:
-            return BackgroundRun.start(self, steps, async_rollout=async_rollout, on_failure=on_failure)
+            return BackgroundRun.start(self, steps, async_rollout=async_rollout, max_staleness=max_staleness,
+                                       on_failure=on_failure)
         self.state, self.run_outcome = "running", "failed"
         try:
-            summary = run_loop(self, steps, async_rollout=async_rollout, on_failure=on_failure, progress=progress)
+            summary = run_loop(self, steps, async_rollout=async_rollout, max_staleness=max_staleness,
+                               on_failure=on_failure, progress=progress)
             self.run_outcome = "finished"
         except KeyboardInterrupt:
             self.run_outcome = "stopped"

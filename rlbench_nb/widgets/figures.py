@@ -11,6 +11,7 @@ import html
 import math
 
 # section -> panels: (title, [(metric key, line name)]). "memory/*" expands to one line per role.
+STALENESS_HISTOGRAM = "async/staleness:histogram"  # a panel of bars: steps per `async/staleness` value
 SECTIONS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
     "outcome": [
         ("reward", [("reward/mean", "mean")]),  # drawn over its min–max band
@@ -32,6 +33,9 @@ SECTIONS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
         ("seconds per phase", [("time/rollout_s", "rollout"), ("time/score_s", "score"),
                                ("time/prepare_s", "prepare"), ("time/update_s", "update")]),
         ("memory, peak RSS (GB)", [("memory/*", "")]),
+        # run(async_rollout=True, max_staleness=k): how stale the trained batches were, and who waited
+        ("async: batches by staleness", [(STALENESS_HISTOGRAM, "batches")]),
+        ("async: idle share of each step", [("async/rollout_idle", "rollout"), ("async/trainer_idle", "trainer")]),
     ],
 }
 COLS = 3
@@ -90,6 +94,9 @@ def section_traces(section: str, history: list[dict], evals: list[dict], smoothi
     `overlays`: (name, history, evals) of branches, drawn dashed in every panel they have data for."""
     out = []
     for p, (_, panel) in enumerate(SECTIONS[section]):
+        if panel[0][0] == STALENESS_HISTOGRAM:
+            out += _histogram(p, [r["async/staleness"] for r in history if r.get("async/staleness") is not None])
+            continue
         lines = [(k, n, series(evals if k.startswith("eval/") else history, k)) for k, n in _lines(panel, history)]
         lines = [(k, n, xy) for k, n, xy in lines if xy[0]]
         legend = len(lines) > 1
@@ -124,6 +131,16 @@ def section_traces(section: str, history: list[dict], evals: list[dict], smoothi
     return out
 
 
+def _histogram(panel: int, values: list[float]) -> list[dict]:
+    """Bars: how many steps trained a batch that many updates behind (none when no step ran async)."""
+    if not values:
+        return []
+    x = sorted(set(values))
+    return [{"uid": STALENESS_HISTOGRAM, "panel": panel, "x": x, "y": [values.count(v) for v in x], "name": "batches",
+             "mode": "bar", "marker": {"color": COLORS[0]}, "showlegend": False,
+             "hovertemplate": "%{y} steps %{x} updates behind<extra></extra>"}]
+
+
 def section_figure(section: str, traces: list[dict]):
     """A plotly Figure of the section's panels holding `traces` (section_traces): one legend per
     multi-line panel, in its top-right corner; "step" on every x axis; hover shows every line at a step."""
@@ -140,7 +157,11 @@ def section_figure(section: str, traces: list[dict]):
         r, c = divmod(p, COLS)
         if t.get("showlegend"):
             t["legend"] = legends.setdefault(p, "legend" if not legends else f"legend{len(legends) + 1}")
-        fig.add_trace(go.Scatter(**t), row=r + 1, col=c + 1)
+        if t.get("mode") == "bar":
+            t.pop("mode")
+            fig.add_trace(go.Bar(**t), row=r + 1, col=c + 1)
+        else:
+            fig.add_trace(go.Scatter(**t), row=r + 1, col=c + 1)
     for p, name in legends.items():  # beside its panel, top-aligned: never over the curves
         sub = fig.get_subplot(*(i + 1 for i in divmod(p, COLS)))
         fig.update_layout({name: {"x": sub.xaxis.domain[1] + 0.005, "y": sub.yaxis.domain[1], "xanchor": "left",
@@ -148,6 +169,9 @@ def section_figure(section: str, traces: list[dict]):
                                   "itemwidth": 30}})
     # whole steps: a short run gets one tick per step instead of 1.5, 2.5
     fig.update_xaxes(title_text="step", title_standoff=4, title_font_size=11, dtick=1 if _short(traces) else None)
+    for p, (_, panel) in enumerate(panels):
+        if panel[0][0] == STALENESS_HISTOGRAM:  # its x axis counts updates, not steps
+            fig.update_xaxes(title_text="updates behind", dtick=1, row=p // COLS + 1, col=p % COLS + 1)
     # small numbers as 2e-9, not plotly's SI "2n"; counts (tokens/s, GB) keep 4M / 1.2k; 0 always in view
     fig.update_yaxes(exponentformat="e" if section == "policy" else "SI", separatethousands=True, rangemode="tozero")
     fig.update_annotations(font_size=13)

@@ -272,6 +272,7 @@ def test_async_run_overlaps_rollout_with_training(ray_cluster, small_cfg):
     t0 = sess.groups["rollout"].records[-1].end
     summary = sess.run(steps=3, progress=False, async_rollout=True)
     assert summary["steps"] == 4 and [r["step"] for r in sess.history] == [1, 2, 3, 4]
+    assert [r["async/staleness"] for r in sess.history[1:]] == [0.0, 1.0, 1.0]  # max_staleness=1 by default
     # the timeline shows generation of batch k+1 running while batch k trains
     gens = [r for r in sess.groups["rollout"].records if r.method == "generate" and r.start > t0]
     updates = [r for r in sess.groups["policy"].records if r.method == "update" and r.start > t0]

@@ -6,7 +6,7 @@ import pytest
 import rlbench_nb as rl
 from rlbench_nb.cli import main as cli
 from rlbench_nb.report import report_from_run_dir
-from rlbench_nb.widgets.figures import SECTIONS, decimate, ema, header_facts
+from rlbench_nb.widgets.figures import SECTIONS, decimate, ema, header_facts, section_figure, section_traces
 
 
 def test_decimate_bounds_points_and_keeps_the_last():
@@ -23,6 +23,21 @@ def test_ema_is_tensorboards_debiased_smoothing():
     gap = ema([1.0, None, 3.0], 0.5)  # a missing value passes through and does not count
     assert gap[1] is None and gap[::2] == pytest.approx([1.0, 7 / 3], rel=1e-15)
     assert ema([2.0, 5.0], 0.0) == [2.0, 5.0]
+
+
+def test_async_runs_get_a_staleness_histogram_and_idle_lines():
+    history = [{"step": s + 1, "async/staleness": float(min(s, 2)), "async/rollout_idle": 0.1 * s,
+                "async/trainer_idle": 0.5} for s in range(5)]
+    traces = {t["uid"]: t for t in section_traces("system", history, [])}
+    bars = traces["async/staleness:histogram"]
+    assert bars["mode"] == "bar" and bars["x"] == [0.0, 1.0, 2.0] and bars["y"] == [1, 1, 3]  # 0, 1, then 2 x3
+    assert traces["async/rollout_idle"]["y"] == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+    fig = section_figure("system", list(traces.values()))
+    assert [t.type for t in fig.data if t.uid == "async/staleness:histogram"] == ["bar"]
+    assert "updates behind" in [ax.title.text for ax in fig.select_xaxes()]
+    # a synchronous run: no async numbers, nothing drawn in those panels
+    assert not [t for t in section_traces("system", [{"step": 1, "time/rollout_s": 1.0}], [])
+                if t["uid"].startswith("async/")]
 
 
 def test_header_facts_give_total_rate_and_eta():
@@ -55,7 +70,7 @@ def test_dashboard_draws_sections_with_legends_and_step_axes(small_cfg):
     assert {"policy", "rollout", "reward", "reference"} <= {t.name for t in memory}
     assert {t.name for t in system.data if t.xaxis == "x"} == {"rollout", "prepare", "update"}
     for fig in dash.figures.values():
-        assert all(ax.title.text == "step" for ax in fig.select_xaxes())
+        assert all(ax.title.text in ("step", "updates behind") for ax in fig.select_xaxes())
     lanes = {b["lane"] for b in dash.timeline_bars()}
     assert {"policy/0", "rollout/0", "reward/0", "reference/0"} <= lanes
     assert all(b["duration"] >= 0 and b["start"] >= 0 for b in dash.timeline_bars())
