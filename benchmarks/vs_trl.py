@@ -29,7 +29,8 @@ What differs is how, not what (the same math, so the same distribution of result
 prefills each distinct prompt once for its 8 samples and stops computing a sequence once it has sampled
 EOS (HF `generate`, which TRL calls, runs the whole padded batch until the longest row ends), and our
 update runs each distinct prompt through the decoder once with its KV cache shared by the 8 responses
-(`train.share_prompt_prefix`). Backends: `local` (every role in this process), `ray` (policy, rollout
+(`train.share_prompt_prefix`), or, where over a quarter of a micro-batch is padding, packs the sequences'
+real tokens into padding-free rows (`train.pack_sequences=auto`). Backends: `local` (every role in this process), `ray` (policy, rollout
 and reward each in an actor), `ray-colocated` (`rollout.colocate=true`: the rollout engine inside the
 policy's actor, as verl's hybrid engine; the reward stays an actor of its own).
 
