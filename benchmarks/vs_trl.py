@@ -30,9 +30,9 @@ prefills each distinct prompt once for its 8 samples and stops computing a seque
 EOS (HF `generate`, which TRL calls, runs the whole padded batch until the longest row ends), and our
 update runs each distinct prompt through the decoder once with its KV cache shared by the 8 responses
 (`train.share_prompt_prefix`), or, where over a quarter of a micro-batch is padding, packs the sequences'
-real tokens into padding-free rows (`train.pack_sequences=auto`). Backends: `local` (every role in this process), `ray` (policy, rollout
-and reward each in an actor), `ray-colocated` (`rollout.colocate=true`: the rollout engine inside the
-policy's actor, as verl's hybrid engine; the reward stays an actor of its own).
+real tokens into padding-free rows (`train.pack_sequences=auto`). Backends: `local` (every role in this
+process), `ray` (policy, rollout and reward each in an actor), `ray-colocated` (`rollout.colocate=true`: the
+rollout engine inside the policy's actor, as verl's hybrid engine; the reward stays an actor of its own).
 
 Reported per framework and backend: median seconds per step over the timed steps of each repetition
 (after --warmup steps), completion tokens/s, and the mean reward of the first and last steps. The two

@@ -60,8 +60,8 @@ def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, max_stal
              on_failure: str = "raise", control: RunControl | None = None, progress: bool = True) -> dict:
     """Train for `steps` steps past the session's current step; evaluate before (once per session) and
     after; write summary.json and return it. See `Session.run` for the options."""
-    ahead = max_staleness if async_rollout else 0  # rollouts queued ahead of the step being trained
     from tqdm.auto import tqdm
+    ahead = max_staleness if async_rollout else 0  # rollouts queued ahead of the step being trained
     t0 = time.time()
     start, target, restores, failed_at = sess.step_count, sess.step_count + steps, 0, -1
     sess.run_target = target  # the dashboard's "step / total" and ETA

@@ -6,14 +6,14 @@
     lp_BR = rows.scatter(token_logprobs(h_K))     # back to [B, R], zero on padding
 
 A batch's prompts are left-padded to the longest prompt and its responses right-padded to the longest
-response, so a forward over [B, P+R] spends most of its work on padding when lengths vary (the built-in
-task: ~40% of the positions). Packing lays each sequence's real tokens end to end in rows of width W (twice
-the longest sequence), first-fit by decreasing length, with position ids that restart at 0 for each sequence:
-transformers reads the restarts as sequence boundaries and attends only within a sequence (its packed
-format, used when no attention mask is given), so every token sees exactly what it saw padded. Rows stay
-as narrow as the longest sequence, not one long row per micro-batch as on GPUs with varlen flash
-attention: on a CPU a long row's dense [W, W] attention mask costs more than the padding it saves
-(benchmarks/packing.py).
+response, so a forward over [B, P+R] spends much of its work on padding when lengths vary (44% of the
+positions in benchmarks/packing.py's batch). Packing lays each sequence's real tokens end to end in rows of
+width W (twice the longest sequence), first-fit by decreasing length, with position ids that restart at 0
+for each sequence: transformers reads the restarts as sequence boundaries and attends only within a
+sequence (its packed format, used when neither an attention mask nor a KV cache is given), so every token
+sees exactly what it saw padded. Rows stay a few sequences wide, not one long row per micro-batch as on
+GPUs with varlen flash attention: on a CPU a long row's dense [W, W] attention mask costs more than the
+padding it saves (benchmarks/packing.py).
 """
 from __future__ import annotations
 
@@ -100,9 +100,8 @@ def packs(setting: bool | str, prompt_mask_BP: torch.Tensor, response_mask_BR: t
 def micro_batches(batch: Batch, rows: int, max_tokens: int, packed: bool | str) -> list[Batch]:
     """Consecutive parts of `batch`: at most `rows` rows each, or, with a token budget (`max_tokens` > 0), as
     many rows as keep the part's tokens within it: real tokens when `packed` (true or auto), rows x (P + R)
-    when not. A
-    row longer than the budget is a part of its own. The ranks of a sharded role agree on the count (each
-    forward is a collective under FSDP2): one with fewer parts splits its rows into as many."""
+    when not. A row longer than the budget is a part of its own. The ranks of a sharded role agree on the
+    count (each forward is a collective under FSDP2): one with fewer parts splits its rows into as many."""
     parts = _by_tokens(batch, max_tokens, packed) if max_tokens > 0 and len(batch) else batch.split(rows)
     count = int(dist_util.all_reduce_max(torch.tensor(len(parts))))
     return parts if count == len(parts) else batch.chunk(count)
