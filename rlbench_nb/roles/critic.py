@@ -60,21 +60,18 @@ class CriticWorker(SnapshotHolder):
             group.update(lr=t.critic_lr, betas=t.betas, weight_decay=t.weight_decay)
 
     def _values(self, batch: Batch) -> torch.Tensor:
-        if packs(self.cfg.train.pack_sequences, batch["prompt_mask_BP"], batch["response_mask_BR"]):
-            # padding-free rows (roles/packing.py); zero on padding
-            rows = pack_sequences(*(batch[k].to(self.device) for k in SEQUENCE_FIELDS))
-            with torch.autocast(self.device.type, dtype=DTYPES[self.cfg.model.dtype], enabled=self.autocast):
-                return rows.scatter(self.model(rows.ids_NW, None, rows.positions_NW)[rows.rows_K, rows.cols_K])
-        ids, mask, pos = (x.to(self.device) for x in full_sequences(batch))
         with torch.autocast(self.device.type, dtype=DTYPES[self.cfg.model.dtype], enabled=self.autocast):
+            if packs(self.cfg.train.pack_sequences, batch["prompt_mask_BP"], batch["response_mask_BR"]):
+                # padding-free rows (roles/packing.py); zero on padding
+                rows = pack_sequences(*(batch[k].to(self.device) for k in SEQUENCE_FIELDS))
+                return rows.scatter(self.model(rows.ids_NW, None, rows.positions_NW)[rows.rows_K, rows.cols_K])
+            ids, mask, pos = (x.to(self.device) for x in full_sequences(batch))
             return self.model(ids, mask, pos)[:, response_hidden_slice(batch)]
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """{"values_BR": V(s_t) before each response token}, zeroed on padding."""
-        t = self.cfg.train
-        parts = [(self._values(mb).cpu() * mb["response_mask_BR"])
-                 for mb in micro_batches(batch, t.micro_batch_size, t.max_tokens_per_micro_batch, t.pack_sequences)]
+        parts = [(self._values(mb).cpu() * mb["response_mask_BR"]) for mb in micro_batches(batch, self.cfg.train)]
         return Batch({"values_BR": torch.cat(parts)})
 
     def update(self, batch: Batch) -> dict:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import TrainConfig
 from ..data.batch import Batch
 from . import distributed as dist_util
 
@@ -97,12 +98,14 @@ def packs(setting: bool | str, prompt_mask_BP: torch.Tensor, response_mask_BR: t
     return positions > 0 and 1 - real / positions > AUTO_PADDING_SHARE
 
 
-def micro_batches(batch: Batch, rows: int, max_tokens: int, packed: bool | str) -> list[Batch]:
-    """Consecutive parts of `batch`: at most `rows` rows each, or, with a token budget (`max_tokens` > 0), as
-    many rows as keep the part's tokens within it: real tokens when `packed` (true or auto), rows x (P + R)
-    when not. A row longer than the budget is a part of its own. The ranks of a sharded role agree on the
-    count (each forward is a collective under FSDP2): one with fewer parts splits its rows into as many."""
-    parts = _by_tokens(batch, max_tokens, packed) if max_tokens > 0 and len(batch) else batch.split(rows)
+def micro_batches(batch: Batch, t: TrainConfig) -> list[Batch]:
+    """Consecutive parts of `batch`: at most `t.micro_batch_size` rows each, or, with a token budget
+    (`t.max_tokens_per_micro_batch` > 0), as many rows as keep the part's tokens within it: real tokens when
+    packing (`t.pack_sequences` true or auto), rows x (P + R) when not. A row longer than the budget is a part
+    of its own. The ranks of a sharded role agree on the count (each forward is a collective under FSDP2): one
+    with fewer parts splits its rows into as many."""
+    budget, packed = t.max_tokens_per_micro_batch, t.pack_sequences
+    parts = _by_tokens(batch, budget, packed) if budget > 0 and len(batch) else batch.split(t.micro_batch_size)
     count = int(dist_util.all_reduce_max(torch.tensor(len(parts))))
     return parts if count == len(parts) else batch.chunk(count)
 

@@ -75,9 +75,7 @@ class ReferenceWorker:
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, key: str = "ref_logprobs_BR") -> Batch:
         """{key: [B, R] log-probs of the response tokens}, computed in micro-batches."""
-        t = self.cfg.train
-        parts = [self._forward(mb)[0].cpu()
-                 for mb in micro_batches(batch, t.micro_batch_size, t.max_tokens_per_micro_batch, t.pack_sequences)]
+        parts = [self._forward(mb)[0].cpu() for mb in micro_batches(batch, self.cfg.train)]
         return Batch({key: torch.cat(parts)})
 
     def memory(self) -> dict:

@@ -54,7 +54,7 @@ def _optimizer_step(model, optimizer, mini: Batch, t: TrainConfig, loss_fn: Loss
     world = dist_util.world_size()  # FSDP averages gradients over ranks; the losses are shares of a sum
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
-    for mb in micro_batches(mini, t.micro_batch_size, t.max_tokens_per_micro_batch, t.pack_sequences):
+    for mb in micro_batches(mini, t):
         loss, stats = loss_fn(mb, counts)
         if dist_util.all_reduce_sum(torch.tensor(0.0 if torch.isfinite(loss) else 1.0)) > 0:
             optimizer.zero_grad(set_to_none=True)

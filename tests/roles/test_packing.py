@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import rlbench_nb as rl
+from rlbench_nb.config import TrainConfig
 from rlbench_nb.data.batch import Batch
 from rlbench_nb.roles.packing import micro_batches, pack_sequences
 
@@ -54,11 +55,12 @@ def test_a_token_budget_cuts_consecutive_micro_batches():
                    "response_mask_BR": (torch.arange(8) < torch.tensor(lengths)[:, None] - 1).long(),
                    "prompt_ids_BP": torch.ones(5, 1, dtype=torch.long),
                    "response_ids_BR": torch.ones(5, 8, dtype=torch.long), "i_B": torch.arange(5)})
-    packed = [p["i_B"].tolist() for p in micro_batches(batch, rows=100, max_tokens=8, packed=True)]
-    assert packed == [[0, 1], [2], [3], [4]]  # 5+3 | 4 (+9 > 8) | 9 alone, over the budget | 1
-    padded = [p["i_B"].tolist() for p in micro_batches(batch, rows=100, max_tokens=20, packed=False)]
-    assert padded == [[0, 1], [2, 3], [4]]  # 9 padded positions a row
-    assert [len(p) for p in micro_batches(batch, rows=2, max_tokens=0, packed=True)] == [2, 2, 1]
+    def parts(rows, budget, packed):
+        t = TrainConfig(micro_batch_size=rows, max_tokens_per_micro_batch=budget, pack_sequences=packed)
+        return [p["i_B"].tolist() for p in micro_batches(batch, t)]
+    assert parts(100, 8, True) == [[0, 1], [2], [3], [4]]  # 5+3 | 4 (+9 > 8) | 9 alone, over the budget | 1
+    assert parts(100, 20, False) == [[0, 1], [2, 3], [4]]  # 9 padded positions a row
+    assert [len(p) for p in parts(2, 0, True)] == [2, 2, 1]
 
 
 @pytest.mark.parametrize("variant", [[], ["train.logprob_chunk_mb=0"], ["train.max_tokens_per_micro_batch=96"]],
