@@ -91,25 +91,11 @@ class Session(WhatIf):
         configure_process(cfg.cluster.num_threads, cfg.run.deterministic)
         torch.manual_seed(cfg.run.seed)
         random.seed(cfg.run.seed)
-        self.task = load_task(cfg)
-        need, positions = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, self.task.max_positions
-        if positions and need > positions:
-            raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {need} tokens, more than the model's "
-                              f"{positions} positions (max_position_embeddings in {self.task.model_dir}): lower them")
-        from transformers import AutoTokenizer
-        self.prompts = PromptCodec(AutoTokenizer.from_pretrained(str(self.task.model_dir)), cfg.data)
-        self.train_data = self._dataset(cfg.data.train_path, self.task.train_rows, "train")
-        self.test_data = self._dataset(cfg.data.test_path, self.task.test_rows, "test")
-        self.sampler = PromptSampler(len(self.train_data), cfg.data.batch_size, cfg.run.seed, cfg.data.shuffle)
-        self._reward_fn = self.task.verifier if cfg.reward.fn == "task" else load_reward_fn(cfg.reward.fn)
-        self._env_cls = load_env(cfg.env.fn) if cfg.env.fn else None  # multi-turn episodes (envs/)
-        if self.task.reward_model_dir:  # before the run directory is claimed: a wrong folder costs nothing
-            from .roles.reward_model import check_reward_model
-            check_reward_model(str(self.task.reward_model_dir))
-
+        # under Ray the task, tokenizer and data load while this thread starts (or joins) the cluster
+        cluster.while_connecting(cfg, self._load_inputs, skip=_attach)
         self.rundir = RunDir(run_dir or fresh_run_dir(cfg))
         self.lease = Lease(self.run_dir)
-        self.lease.acquire(take_over)  # before anything starts: a refused second controller costs nothing
+        self.lease.acquire(take_over)  # before any worker starts: a refused second controller costs none
         self.rundir.write_config(cfg)
         trackers = make_trackers(cfg.run.trackers, self.run_dir, cfg)  # before the workers: a bad setup costs nothing
         if cfg.rollout.engine == "vllm" and cfg.cluster.backend == "local":
@@ -149,6 +135,26 @@ class Session(WhatIf):
             self.load_controller_state(self.rundir.read_state())
             self._check_trainers_at_step()
         _LIVE.add(self)
+
+    def _load_inputs(self) -> None:
+        """The task, its tokenizer and data, the reward function and environment: all checked before the run
+        directory is claimed or any worker starts."""
+        cfg = self.cfg
+        self.task = load_task(cfg)
+        need, positions = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, self.task.max_positions
+        if positions and need > positions:
+            raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {need} tokens, more than the model's "
+                              f"{positions} positions (max_position_embeddings in {self.task.model_dir}): lower them")
+        from transformers import AutoTokenizer
+        self.prompts = PromptCodec(AutoTokenizer.from_pretrained(str(self.task.model_dir)), cfg.data)
+        self.train_data = self._dataset(cfg.data.train_path, self.task.train_rows, "train")
+        self.test_data = self._dataset(cfg.data.test_path, self.task.test_rows, "test")
+        self.sampler = PromptSampler(len(self.train_data), cfg.data.batch_size, cfg.run.seed, cfg.data.shuffle)
+        self._reward_fn = self.task.verifier if cfg.reward.fn == "task" else load_reward_fn(cfg.reward.fn)
+        self._env_cls = load_env(cfg.env.fn) if cfg.env.fn else None  # multi-turn episodes (envs/)
+        if self.task.reward_model_dir:  # a wrong folder costs nothing yet
+            from .roles.reward_model import check_reward_model
+            check_reward_model(str(self.task.reward_model_dir))
 
     @classmethod
     def attach(cls, name: str, address: str | None = "auto", namespace: str = "rlbench-nb", *,

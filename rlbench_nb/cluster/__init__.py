@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 from .base import CallRecord, Pending, WorkerGroup
 from .errors import ClusterError, WorkerDiedError, WorkerError
@@ -40,13 +41,36 @@ def check_placement(cfg, roles: list[str]) -> None:
     check_fits(cfg, {r: 0 if host_role(cfg, r) else world_size_for(cfg, r) for r in roles}, ray_nodes())
 
 
-def make_group(cfg, role: str, worker_cls, *args, name: str = "run", host=None):
+def while_connecting(cfg, work: Callable[[], None], skip: bool = False) -> None:
+    """`work()`, and under Ray the cluster's start (or joining it) at the same time: an embedded Ray spends
+    seconds starting its processes, mostly waiting, which `work` (loading a task) fills. `ray.init` stays in
+    this thread, as the processes it starts die with the thread that started them. `work`'s error comes
+    first: it is the user's to fix, whatever the cluster did."""
+    if cfg.cluster.backend != "ray" or skip:
+        return work()
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .ray_backend import attach
+    pool = ThreadPoolExecutor(1, thread_name_prefix="session-load")
+    loading = pool.submit(work)
+    pool.shutdown(wait=False)  # its thread ends with `work`; Ctrl-C here does not wait for it
+    try:
+        attach(cfg)
+    except Exception:
+        loading.result()  # raises the work's own error, if it had one
+        raise
+    loading.result()
+
+
+def make_group(cfg, role: str, worker_cls, *args, name: str = "run", host=None, wait: bool = True):
     """N ranks of `worker_cls(*args)`; under Ray the actors are named '<name>/<role>/<rank>', or the
-    ranks live in `host`'s actors (another role's group)."""
+    ranks live in `host`'s actors (another role's group). `wait=False`: under Ray, return once the actors
+    are asked to start (`group.ready()` waits for them)."""
     if cfg.cluster.backend == "ray":
         from .ray_backend import RayWorkerGroup, attach
         attach(cfg)
-        return RayWorkerGroup(cfg, role, worker_cls, world_size_for(cfg, role), *args, name=name, host=host)
+        return RayWorkerGroup(cfg, role, worker_cls, world_size_for(cfg, role), *args, name=name, host=host,
+                              wait=wait)
     return LocalWorkerGroup(role, worker_cls, *args)
 
 

@@ -27,6 +27,9 @@ class LocalWorkerGroup:
         self.workers = [self._run(0, "__init__", worker_cls, *args, **kwargs)]
         self.info = {0: {"pid": os.getpid(), "node": "local", "device": str(getattr(self.workers[0], "device", "cpu"))}}
 
+    def ready(self) -> LocalWorkerGroup:
+        return self  # built in __init__
+
     def _run(self, rank: int, method: str, fn, *args, **kwargs) -> Any:
         start = time.perf_counter()
         try:

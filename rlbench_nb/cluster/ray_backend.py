@@ -230,9 +230,11 @@ class _WorkerActor:
 
 class RayWorkerGroup:
     def __init__(self, cfg, role: str, worker_cls, world_size: int, *args, name: str = "run",
-                 host: RayWorkerGroup | None = None):
+                 host: RayWorkerGroup | None = None, wait: bool = True):
         """`host`: run this role's ranks inside that group's actors (same processes, rank by rank)
-        instead of actors of its own: `rollout.colocate`, the rollout engine next to the policy."""
+        instead of actors of its own: `rollout.colocate`, the rollout engine next to the policy.
+        `wait=False`: return once the actors are asked to start; `ready()` waits for their workers (so a
+        session's roles import and load side by side)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -243,13 +245,16 @@ class RayWorkerGroup:
         self.memory: dict[int, dict] = {}
         self.info: dict[int, dict] = {}  # rank -> pid, node, device
         self.host = host
+        self._setups: list = []  # the ranks' setup calls until ready() has their answers
         if host is not None:
             if host.world_size != world_size:
                 raise ClusterError(f"role '{role}' ({world_size} ranks) cannot live in the '{host.role}' "
                                    f"processes ({host.world_size} ranks): give both the same number of ranks")
             self.actors, self.pg = host.actors, None
-            infos = self._get([a.setup.remote(None, worker_cls, args, {}, role) for a in self.actors], "__init__")
-            self.info = dict(enumerate(infos))
+            # queued behind the host's own setup: each actor runs one call at a time, in order
+            self._setups = [a.setup.remote(None, worker_cls, args, {}, role) for a in self.actors]
+            if wait:
+                self.ready()
             return
         where = placement(cfg, role)  # pools.py: the role's pool, what one worker reserves, node labels
         bundle = where.bundle
@@ -274,9 +279,18 @@ class RayWorkerGroup:
             ).remote(role, rank, world_size, cfg.run.seed, c.num_threads, cfg.run.deterministic, where.pool,
                      where.device)
             for rank in range(world_size)]
-        master = self._get([self.actors[0].address.remote()], "address")[0] if world_size > 1 else None
-        infos = self._get([a.setup.remote(master, worker_cls, args, {}) for a in self.actors], "__init__")
-        self.info = dict(enumerate(infos))
+        # rank 0's address goes to every rank by reference: Ray hands it over when it is ready, no wait here
+        master = self.actors[0].address.remote() if world_size > 1 else None
+        self._setups = [a.setup.remote(master, worker_cls, args, {}) for a in self.actors]
+        if wait:
+            self.ready()
+
+    def ready(self) -> RayWorkerGroup:
+        """Wait until every rank's worker is built (its imports, model, process group)."""
+        if self._setups:
+            self.info = dict(enumerate(self._get(self._setups, "__init__")))
+            self._setups = []
+        return self
 
     @classmethod
     def reattach(cls, cfg, role: str, world_size: int, name: str,
@@ -287,7 +301,7 @@ class RayWorkerGroup:
         self = cls.__new__(cls)
         self.role, self.world_size, self.cfg, self.host = role, world_size, cfg, host
         self.timeout = cfg.cluster.call_timeout_s
-        self.records, self.memory = [], {}
+        self.records, self.memory, self._setups = [], {}, []
         if host is not None:
             self.actors, self.pg = host.actors, None
         else:

@@ -30,7 +30,10 @@ class Workers:
         try:
             for role, (cls, args) in self.specs.items():
                 self.groups[role] = (reattach_group(cfg, role, name, self.host_of(role)) if reattach else
-                                     make_group(cfg, role, cls, *args, name=name, host=self.host_of(role)))
+                                     make_group(cfg, role, cls, *args, name=name, host=self.host_of(role),
+                                                wait=False))
+            for group in self.groups.values():  # every role's processes import and load at the same time
+                group.ready()
         except BaseException:
             if not reattach:
                 self.close()  # no half-built session keeps actors alive

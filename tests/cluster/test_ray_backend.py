@@ -19,8 +19,9 @@ RAY = ["cluster.backend=ray", "run.tensorboard=false", "cluster.num_threads=1"]
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """One embedded Ray for the module (sessions attach to it and leave it running)."""
-    ray.init(num_cpus=4, include_dashboard=False, namespace="rlbench-nb", log_to_driver=False)
+    """One embedded Ray for the module (sessions attach to it and leave it running). address="local": a new
+    cluster even when this machine runs another (or left a stale /tmp/ray/ray_current_cluster behind)."""
+    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="rlbench-nb", log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -462,3 +463,82 @@ def test_the_tool_task_learns_on_two_rollout_and_two_fsdp_ranks(ray_cluster, tmp
     assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.15, summary
     evals = [r for r in read_jsonl(sess.run_dir / "metrics.jsonl") if "eval/tool_use" in r]
     assert evals[-1]["eval/tool_use"] >= evals[0]["eval/tool_use"] + 0.15, evals
+
+
+class _StartsWith:
+    """A role's worker that marks its start, then waits for another role's worker to have started."""
+
+    def __init__(self, marker: str, wait_for: str | None = None, fail: bool = False):
+        import time
+        from pathlib import Path
+        Path(marker).touch()
+        deadline = time.time() + 60
+        while wait_for and not Path(wait_for).exists():
+            if time.time() > deadline:
+                raise TimeoutError(f"{wait_for} never appeared: the roles were started one after another")
+            time.sleep(0.05)
+        if fail:
+            raise ValueError("no model at /nowhere")
+
+
+def test_a_sessions_roles_start_side_by_side_and_a_failing_one_leaves_no_actor(ray_cluster, small_cfg, tmp_path):
+    """Workers builds its roles at the same time (each role's processes import and load while the others
+    do): here the policy's worker cannot finish until the rollout's has started, which a role-by-role start
+    never reaches. A role that fails to start takes the others down with it."""
+    from rlbench_nb.cluster.workers import Workers
+    cfg = small_cfg(*RAY)
+    policy, rollout = str(tmp_path / "policy"), str(tmp_path / "rollout")
+    workers = Workers(cfg, {"policy": (_StartsWith, (policy, rollout)), "rollout": (_StartsWith, (rollout,))},
+                      name="side-by-side")
+    assert workers["policy"].info[0]["pid"] != workers["rollout"].info[0]["pid"]
+    workers.close()
+
+    def live():
+        return [a["name"] for a in ray.util.list_named_actors(True) if a["name"].startswith("fails-to-start/")]
+
+    with pytest.raises(WorkerError, match=r"rollout rank 0 failed in __init__\(\): .*no model at /nowhere"):
+        Workers(cfg, {"policy": (_StartsWith, (str(tmp_path / "p2"), str(tmp_path / "r2"))),
+                      "rollout": (_StartsWith, (str(tmp_path / "r2"), str(tmp_path / "p2"), True))},
+                name="fails-to-start")
+    import time
+    deadline = time.time() + 30  # ray.kill is asynchronous: the names go once the processes are gone
+    while live() and time.time() < deadline:
+        time.sleep(0.2)
+    assert live() == []
+
+
+def test_a_session_loads_its_task_while_ray_starts_and_its_own_error_comes_first(monkeypatch, small_cfg):
+    """cluster.while_connecting: the loading runs beside ray.init (here the fake start waits for the loading
+    to have begun, which a load-after-start never reaches), ray.init stays in this thread, and when both fail
+    the loading's error (the user's to fix) is the one raised."""
+    import threading
+
+    from rlbench_nb import cluster
+    from rlbench_nb.cluster import ray_backend
+    from rlbench_nb.config import ConfigError
+    cfg = small_cfg(*RAY)
+    began, threads = threading.Event(), {}
+
+    def start(_cfg, fail=False):
+        threads["ray"] = threading.current_thread()
+        assert began.wait(30), "the loading did not start until Ray had"
+        if fail:
+            raise ClusterError("nothing answers at 10.0.0.1:6379")
+        return {}
+
+    def load(fail=False):
+        threads["load"] = threading.current_thread()
+        began.set()
+        if fail:
+            raise ConfigError("task.name='arith' is not a task")
+
+    monkeypatch.setattr(ray_backend, "attach", start)
+    cluster.while_connecting(cfg, load)
+    assert threads["ray"] is threading.main_thread() and threads["load"] is not threading.main_thread()
+    began.clear()
+    monkeypatch.setattr(ray_backend, "attach", lambda c: start(c, fail=True))
+    with pytest.raises(ConfigError, match="is not a task"):
+        cluster.while_connecting(cfg, lambda: load(fail=True))
+    began.clear()
+    with pytest.raises(ClusterError, match="nothing answers"):
+        cluster.while_connecting(cfg, load)
