@@ -6,12 +6,45 @@
 """
 from __future__ import annotations
 
+import json
 from functools import cached_property
+from pathlib import Path
 
 import torch
 
 from .config import DataConfig
 from .data.batch import Batch
+
+TOKENIZER_CLASS_FILE = "tokenizer_class.json"  # in a run directory: the class AutoTokenizer chose for its model
+
+
+def load_tokenizer(model_dir: str, run_dir: str | Path | None = None):
+    """AutoTokenizer's tokenizer for `model_dir`. To choose the class, AutoTokenizer imports transformers' model
+    modules (~1.4 s: the largest part of re-attaching a controller, whose processes never load a model); a run
+    directory remembers the class it chose (`remember_tokenizer`), loaded directly the next time, by the same
+    transformers version for the same folder."""
+    import transformers
+    seen = {}
+    if run_dir is not None:
+        try:
+            seen = json.loads((Path(run_dir) / TOKENIZER_CLASS_FILE).read_text())
+        except (OSError, ValueError):
+            pass
+    if seen.get("transformers") == transformers.__version__ and seen.get("model_dir") == str(model_dir):
+        cls = getattr(transformers, str(seen.get("class")), None)
+        if cls is not None:
+            return cls.from_pretrained(str(model_dir))
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def remember_tokenizer(run_dir: str | Path, tokenizer, model_dir: str) -> None:
+    """What `load_tokenizer` reads back: the tokenizer's class, its folder, the transformers version."""
+    import transformers
+
+    from .rundir import write_json
+    write_json(Path(run_dir) / TOKENIZER_CLASS_FILE, {"class": type(tokenizer).__name__, "model_dir": str(model_dir),
+                                                      "transformers": transformers.__version__})
 
 
 class PromptCodec:

@@ -53,7 +53,7 @@ from .metrics import compute, timeline
 from .metrics.health import SkipWatch
 from .metrics.log import MetricsLog
 from .metrics.trackers import make_trackers
-from .prompts import PromptCodec, generate_inputs, reward_inputs
+from .prompts import PromptCodec, generate_inputs, load_tokenizer, remember_tokenizer, reward_inputs
 from .roles import load_reward_fn, role_specs
 from .rundir import Lease, RunDir, fresh_run_dir
 from .whatif import WhatIf
@@ -92,11 +92,12 @@ class Session(WhatIf):
         torch.manual_seed(cfg.run.seed)
         random.seed(cfg.run.seed)
         # under Ray the task, tokenizer and data load while this thread starts (or joins) the cluster
-        cluster.while_connecting(cfg, self._load_inputs, skip=_attach)
+        cluster.while_connecting(cfg, lambda: self._load_inputs(run_dir), skip=_attach)
         self.rundir = RunDir(run_dir or fresh_run_dir(cfg))
         self.lease = Lease(self.run_dir)
         self.lease.acquire(take_over)  # before any worker starts: a refused second controller costs none
         self.rundir.write_config(cfg)
+        remember_tokenizer(self.run_dir, self.prompts.tokenizer, str(self.task.model_dir))
         trackers = make_trackers(cfg.run.trackers, self.run_dir, cfg)  # before the workers: a bad setup costs nothing
         if cfg.rollout.engine == "vllm" and cfg.cluster.backend == "local":
             from .roles.rollout.vllm_engine import import_vllm
@@ -136,17 +137,16 @@ class Session(WhatIf):
             self._check_trainers_at_step()
         _LIVE.add(self)
 
-    def _load_inputs(self) -> None:
+    def _load_inputs(self, run_dir: str | Path | None = None) -> None:
         """The task, its tokenizer and data, the reward function and environment: all checked before the run
-        directory is claimed or any worker starts."""
+        directory is claimed or any worker starts. `run_dir`: an existing run's, which remembers its tokenizer."""
         cfg = self.cfg
         self.task = load_task(cfg)
         need, positions = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, self.task.max_positions
         if positions and need > positions:
             raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {need} tokens, more than the model's "
                               f"{positions} positions (max_position_embeddings in {self.task.model_dir}): lower them")
-        from transformers import AutoTokenizer
-        self.prompts = PromptCodec(AutoTokenizer.from_pretrained(str(self.task.model_dir)), cfg.data)
+        self.prompts = PromptCodec(load_tokenizer(str(self.task.model_dir), run_dir), cfg.data)
         self.train_data = self._dataset(cfg.data.train_path, self.task.train_rows, "train")
         self.test_data = self._dataset(cfg.data.test_path, self.task.test_rows, "test")
         self.sampler = PromptSampler(len(self.train_data), cfg.data.batch_size, cfg.run.seed, cfg.data.shuffle)

@@ -310,3 +310,40 @@ def test_a_batch_prepared_to_reuse_its_forward_is_refused_once_weights_or_settin
         sess.configure("train.mini_batches=1")
         assert "old_logprobs_BR" not in sess.prepare(separate)  # stale: from weights two updates ago
         assert sess.step_count == 2
+
+
+def test_a_run_remembers_its_tokenizer_class_and_model_positions_load_without_model_modules(small_cfg, tmp_path,
+                                                                                               monkeypatch):
+    """A re-attaching controller loads no model: it reads the model's positions from config.json and its
+    tokenizer by the class AutoTokenizer chose for the run (both would otherwise import transformers' model
+    modules, ~3 s of its start). The same tokenizer either way; AutoTokenizer again when the folder or the
+    transformers version differ, or the config does not name max_position_embeddings (GPT-2: n_positions)."""
+    import transformers
+    from transformers import AutoTokenizer, GPT2Config
+
+    from rlbench_nb.data.tasks import Task
+    from rlbench_nb.prompts import TOKENIZER_CLASS_FILE, load_tokenizer
+    sess = rl.Session(small_cfg())
+    run_dir, model_dir, auto = sess.run_dir, str(sess.task.model_dir), sess.tokenizer
+    assert sess.task.max_positions == transformers.AutoConfig.from_pretrained(model_dir).max_position_embeddings
+    sess.close()
+    remembered = json.loads((run_dir / TOKENIZER_CLASS_FILE).read_text())
+    assert remembered == {"class": type(auto).__name__, "model_dir": model_dir,
+                          "transformers": transformers.__version__}
+
+    def no_auto(*args, **kwargs):
+        raise AssertionError("AutoTokenizer was used")
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", no_auto)
+    direct = load_tokenizer(model_dir, run_dir)
+    text = "12+34=46<eos> 7*8"
+    assert type(direct) is type(auto) and direct.encode(text) == auto.encode(text)
+    assert direct.get_vocab() == auto.get_vocab() and direct.all_special_ids == auto.all_special_ids
+    assert (direct.pad_token_id, direct.eos_token_id, direct.padding_side) == (auto.pad_token_id, auto.eos_token_id,
+                                                                              auto.padding_side)
+    for changed in ({"transformers": "0.0.1"}, {"model_dir": str(tmp_path)}):
+        (run_dir / TOKENIZER_CLASS_FILE).write_text(json.dumps({**remembered, **changed}))
+        with pytest.raises(AssertionError, match="AutoTokenizer was used"):
+            load_tokenizer(model_dir, run_dir)
+    gpt2 = tmp_path / "gpt2"
+    GPT2Config(n_positions=77, n_layer=1, n_embd=8, n_head=2).save_pretrained(gpt2)
+    assert Task("t", gpt2, [], [], len).max_positions == 77

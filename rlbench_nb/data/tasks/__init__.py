@@ -1,6 +1,7 @@
 """Built-in offline tasks: everything needed to train with no download."""
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,15 @@ class Task:
 
     @property
     def max_positions(self) -> int | None:
-        """The model's positions (max_position_embeddings): prompt + response must fit in them."""
+        """The model's positions (max_position_embeddings): prompt + response must fit in them. Read from
+        config.json where it names them there (AutoConfig imports the model family's modules: ~1.5 s of a
+        controller's start, whose processes never load a model), else from AutoConfig."""
+        try:
+            named = json.loads((self.model_dir / "config.json").read_text()).get("max_position_embeddings")
+        except (OSError, ValueError, AttributeError):
+            named = None
+        if isinstance(named, int):
+            return named
         from transformers import AutoConfig
         return getattr(AutoConfig.from_pretrained(str(self.model_dir)), "max_position_embeddings", None)
 
