@@ -21,8 +21,8 @@ TOKENIZER_CLASS_FILE = "tokenizer_class.json"  # in a run directory: the class A
 def load_tokenizer(model_dir: str, run_dir: str | Path | None = None):
     """AutoTokenizer's tokenizer for `model_dir`. To choose the class, AutoTokenizer imports transformers' model
     modules (~1.4 s: the largest part of re-attaching a controller, whose processes never load a model); a run
-    directory remembers the class it chose (`remember_tokenizer`), loaded directly the next time, by the same
-    transformers version for the same folder."""
+    directory remembers the class it chose (`remember_tokenizer`), loaded directly the next time for the same
+    folder, configs and transformers version."""
     import transformers
     seen = {}
     if run_dir is not None:
@@ -30,7 +30,8 @@ def load_tokenizer(model_dir: str, run_dir: str | Path | None = None):
             seen = json.loads((Path(run_dir) / TOKENIZER_CLASS_FILE).read_text())
         except (OSError, ValueError):
             pass
-    if seen.get("transformers") == transformers.__version__ and seen.get("model_dir") == str(model_dir):
+    key = _tokenizer_key(model_dir)
+    if {k: seen.get(k) for k in key} == key:
         cls = getattr(transformers, str(seen.get("class")), None)
         if cls is not None:
             return cls.from_pretrained(str(model_dir))
@@ -39,12 +40,21 @@ def load_tokenizer(model_dir: str, run_dir: str | Path | None = None):
 
 
 def remember_tokenizer(run_dir: str | Path, tokenizer, model_dir: str) -> None:
-    """What `load_tokenizer` reads back: the tokenizer's class, its folder, the transformers version."""
-    import transformers
-
+    """What `load_tokenizer` reads back: the tokenizer's class, and what AutoTokenizer chose it from."""
     from .rundir import write_json
-    write_json(Path(run_dir) / TOKENIZER_CLASS_FILE, {"class": type(tokenizer).__name__, "model_dir": str(model_dir),
-                                                      "transformers": transformers.__version__})
+    write_json(Path(run_dir) / TOKENIZER_CLASS_FILE, {"class": type(tokenizer).__name__, **_tokenizer_key(model_dir)})
+
+
+def _tokenizer_key(model_dir: str) -> dict:
+    """What AutoTokenizer's choice of class depends on: the folder's two configs and transformers' version."""
+    import hashlib
+
+    import transformers
+    digest = hashlib.sha256()
+    for name in ("config.json", "tokenizer_config.json"):
+        path = Path(model_dir) / name
+        digest.update(path.read_bytes() if path.is_file() else b"-")
+    return {"model_dir": str(model_dir), "configs": digest.hexdigest(), "transformers": transformers.__version__}
 
 
 class PromptCodec:
