@@ -92,7 +92,7 @@ class Session(WhatIf):
         torch.manual_seed(cfg.run.seed)
         random.seed(cfg.run.seed)
         # under Ray the task, tokenizer and data load while this thread starts (or joins) the cluster
-        cluster.while_connecting(cfg, lambda: self._load_inputs(run_dir), skip=_attach)
+        cluster.while_connecting(cfg, lambda: self._load_inputs(run_dir))
         self.rundir = RunDir(run_dir or fresh_run_dir(cfg))
         self.lease = Lease(self.run_dir)
         self.lease.acquire(take_over)  # before any worker starts: a refused second controller costs none

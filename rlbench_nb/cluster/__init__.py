@@ -41,12 +41,12 @@ def check_placement(cfg, roles: list[str]) -> None:
     check_fits(cfg, {r: 0 if host_role(cfg, r) else world_size_for(cfg, r) for r in roles}, ray_nodes())
 
 
-def while_connecting(cfg, work: Callable[[], None], skip: bool = False) -> None:
-    """`work()`, and under Ray the cluster's start (or joining it) at the same time: an embedded Ray spends
-    seconds starting its processes, mostly waiting, which `work` (loading a task) fills. `ray.init` stays in
-    this thread, as the processes it starts die with the thread that started them. `work`'s error comes
-    first: it is the user's to fix, whatever the cluster did."""
-    if cfg.cluster.backend != "ray" or skip:
+def while_connecting(cfg, work: Callable[[], None]) -> None:
+    """`work()`, and under Ray, when this process is not connected yet, the cluster's start (or joining it)
+    at the same time: an embedded Ray spends seconds starting its processes, mostly waiting, which `work`
+    (loading a task) fills. `ray.init` stays in this thread, as the processes it starts die with the thread
+    that started them. `work`'s error comes first: it is the user's to fix, whatever the cluster did."""
+    if cfg.cluster.backend != "ray" or ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
         return work()
     from concurrent.futures import ThreadPoolExecutor
 

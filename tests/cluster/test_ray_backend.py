@@ -510,7 +510,7 @@ def test_a_sessions_roles_start_side_by_side_and_a_failing_one_leaves_no_actor(r
 def test_a_session_loads_its_task_while_ray_starts_and_its_own_error_comes_first(monkeypatch, small_cfg):
     """cluster.while_connecting: the loading runs beside ray.init (here the fake start waits for the loading
     to have begun, which a load-after-start never reaches), ray.init stays in this thread, and when both fail
-    the loading's error (the user's to fix) is the one raised."""
+    the loading's error (the user's to fix) is the one raised. Once connected, the loading runs here alone."""
     import threading
 
     from rlbench_nb import cluster
@@ -532,6 +532,7 @@ def test_a_session_loads_its_task_while_ray_starts_and_its_own_error_comes_first
         if fail:
             raise ConfigError("task.name='arith' is not a task")
 
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # a process not connected yet
     monkeypatch.setattr(ray_backend, "attach", start)
     cluster.while_connecting(cfg, load)
     assert threads["ray"] is threading.main_thread() and threads["load"] is not threading.main_thread()
@@ -542,3 +543,6 @@ def test_a_session_loads_its_task_while_ray_starts_and_its_own_error_comes_first
     began.clear()
     with pytest.raises(ClusterError, match="nothing answers"):
         cluster.while_connecting(cfg, load)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # connected: no start, no helper thread
+    cluster.while_connecting(cfg, load)
+    assert threads["load"] is threading.main_thread()
