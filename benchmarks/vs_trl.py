@@ -30,9 +30,12 @@ prefills each distinct prompt once for its 8 samples and stops computing a seque
 EOS (HF `generate`, which TRL calls, runs the whole padded batch until the longest row ends), and our
 update runs each distinct prompt through the decoder once with its KV cache shared by the 8 responses
 (`train.share_prompt_prefix`), or, where over a quarter of a micro-batch is padding, packs the sequences'
-real tokens into padding-free rows (`train.pack_sequences=auto`). Backends: `local` (every role in this
-process), `ray` (policy, rollout and reward each in an actor), `ray-colocated` (`rollout.colocate=true`: the
-rollout engine inside the policy's actor, as verl's hybrid engine; the reward stays an actor of its own).
+real tokens into padding-free rows (`train.pack_sequences=auto`); on a CPU our models' small attention calls
+(decode steps, short sequences) run as plain matmul-softmax-matmul instead of SDPA's kernel, whose fixed cost per
+call is most of such a call's time (`model.attention=auto`, benchmarks/attention.py). Backends: `local` (every
+role in this process), `ray` (policy, rollout and reward each in an actor), `ray-colocated`
+(`rollout.colocate=true`: the rollout engine inside the policy's actor, as verl's hybrid engine; the reward stays
+an actor of its own).
 
 Reported per framework and backend: median seconds per step over the timed steps of each repetition
 (after --warmup steps), completion tokens/s, and the mean reward of the first and last steps. The two
@@ -81,7 +84,7 @@ BACKENDS = {  # name in the table: overrides
 
 
 def run_ours(path: Path, size: str, backend: str, kl: str, steps: int, warmup: int, threads: int,
-             run_dir: Path) -> dict:
+             run_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
     import rlbench_nb as rl
     _, prompts, max_new, lr = SIZES[size]
     cfg = rl.Config.load(None, [
@@ -91,7 +94,7 @@ def run_ours(path: Path, size: str, backend: str, kl: str, steps: int, warmup: i
         "algo.loss_agg=token-mean", f"algo.kl_coef={KL[kl]}", "algo.kl_estimator=k3", "algo.kl_in=loss",
         "algo.clip_low=0.2", "algo.clip_high=0.2", f"train.lr={lr}", "train.grad_clip=1.0",
         "train.micro_batch_size=4096", "task.num_test=8",
-        *BACKENDS[backend], f"cluster.num_threads={threads}"])
+        *BACKENDS[backend], f"cluster.num_threads={threads}", *overrides])
     sess = rl.Session(cfg)
     rows, walls = [], []
     for _ in range(warmup + steps):  # wall time of the whole step() call: controller work included
@@ -156,20 +159,26 @@ def run_trl(path: Path, size: str, kl: str, steps: int, warmup: int, threads: in
             "rewards": [h["reward"] for h in logs]}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", nargs="+", default=["tiny"], choices=list(SIZES))
-    ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
-    ap.add_argument("--kl", nargs="+", default=list(KL), choices=list(KL), help="without KL, with a k3 KL loss")
+def parse_step_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """The flags every step-timing benchmark shares (this one, attention.py); parses them and quiets transformers."""
     ap.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions, the compared runs alternating in each")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import transformers
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+    return args
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", nargs="+", default=["tiny"], choices=list(SIZES))
+    ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    ap.add_argument("--kl", nargs="+", default=list(KL), choices=list(KL), help="without KL, with a k3 KL loss")
+    args = parse_step_args(ap)
     root = Path(tempfile.mkdtemp(prefix="vs_trl_"))
     results = []
     for size in args.sizes:

@@ -30,6 +30,7 @@ from .conftest import REPO
     ("benchmarks/reward_isolation.py", ["--batches", "4", "--reps", "1"]),
     ("benchmarks/whatif.py", ["--backends", "local", "--reps", "1"]),
     ("benchmarks/packing.py", ["--size", "tiny", "--prompts", "4", "--max-len", "16", "--reps", "1"]),
+    ("benchmarks/attention.py", ["--sizes", "tiny", "--steps", "1", "--warmup", "0", "--reps", "1"]),
     pytest.param("benchmarks/lora.py", ["--sizes", "20m", "--steps", "1", "--warmup", "0", "--reps", "1"],
                  marks=[pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("peft") is None,
                                                              reason="peft not installed")]),
@@ -47,4 +48,4 @@ def test_benchmark_script_runs(script, args, tmp_path):
     data = json.loads(out_json.read_text())
     assert data
     assert any(h in out.stdout for h in ("backend", "mode", "method", "engine", "phase", "controller", "framework",
-                                          "layout"))
+                                          "layout", "attention"))

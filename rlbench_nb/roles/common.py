@@ -5,6 +5,8 @@ import random
 
 import torch
 
+from ..ops.attention import attention_kwargs
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -29,9 +31,9 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def load_causal_lm(path: str, dtype: str, device: torch.device):
+def load_causal_lm(path: str, dtype: str, device: torch.device, attention: str = "auto"):
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **attention_kwargs(attention, device))
     return model.to(device)
 
 

@@ -11,6 +11,7 @@ from ..checkpoint import load_tensors
 from ..config import Config
 from ..data.batch import Batch
 from ..metrics.memory import memory_snapshot
+from ..ops.attention import attention_kwargs
 from . import distributed as dist_util
 from . import shards
 from .common import DTYPES, full_sequences, make_adamw, pick_device, response_hidden_slice
@@ -22,10 +23,11 @@ from .trainer import adam_steps, optimizer_steps
 class ValueModel(nn.Module):
     """Backbone of a causal LM (initialised from the policy, as is usual) + a scalar head per position."""
 
-    def __init__(self, model_dir: str, dtype: str):
+    def __init__(self, model_dir: str, dtype: str, attention: str = "auto", device: torch.device | None = None):
         super().__init__()
         from transformers import AutoModel
-        self.backbone = AutoModel.from_pretrained(model_dir, dtype=DTYPES[dtype])
+        self.backbone = AutoModel.from_pretrained(model_dir, dtype=DTYPES[dtype],
+                                                  **attention_kwargs(attention, device or torch.device("cpu")))
         self.head = nn.Linear(self.backbone.config.hidden_size, 1, dtype=DTYPES[dtype])
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
@@ -44,7 +46,8 @@ class CriticWorker(SnapshotHolder):
         self.cfg = cfg
         self.device = pick_device()
         compute = DTYPES[cfg.model.dtype]
-        self.model = ValueModel(model_dir, "float32").to(self.device)  # fp32 masters, computed in model.dtype
+        # fp32 masters, computed in model.dtype
+        self.model = ValueModel(model_dir, "float32", cfg.model.attention, self.device).to(self.device)
         if cfg.train.activation_checkpointing:
             self.model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.sharded = dist_util.shard(self.model, self.device, compute_dtype=compute)

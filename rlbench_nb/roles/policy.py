@@ -45,7 +45,8 @@ class ReferenceWorker:
         self.device = pick_device()
         compute = DTYPES[cfg.model.dtype]
         # a trainer keeps fp32 master weights and computes in model.dtype; a frozen model just holds model.dtype
-        self.model = load_causal_lm(model_dir, "float32" if self.trains else cfg.model.dtype, self.device)
+        self.model = load_causal_lm(model_dir, "float32" if self.trains else cfg.model.dtype, self.device,
+                                    cfg.model.attention)
         self.lora = cfg.model.lora if self.trains and cfg.model.lora.r else None
         if self.lora:  # adapters only train; the base stays frozen (and is the reference: reference_logprobs)
             self.model = lora_util.add_adapters(self.model, self.lora, cfg.run.seed)

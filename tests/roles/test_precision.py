@@ -127,8 +127,11 @@ def test_bfloat16_keeps_fp32_masters_and_syncs_a_bf16_rollout_copy(small_cfg):
     # the trainer really computes in bf16: its log-probs differ from an fp32 forward by bf16 rounding
     batch = sess.prepare(sess.score(sess.rollout()))
     m = batch["response_mask_BR"].bool()
-    diff = (batch["rollout_logprobs_BR"][m] - batch["old_logprobs_BR"][m]).abs().max()
-    assert 0 < diff < 0.5
+    diff = (batch["rollout_logprobs_BR"][m] - batch["old_logprobs_BR"][m]).abs()
+    # bf16 keeps 8 bits of mantissa (2^-9 relative per rounding): through 4 layers the log-probs differ by ~0.01 on
+    # average (0.011 / 0.011 / 0.014 with model.attention auto / sdpa / eager here) and by up to ~0.3-0.7 on the
+    # odd token; a stale or mis-cast copy differs by far more
+    assert 0 < diff.mean() < 0.05 and diff.max() < 1.5
     sess.close()
 
 

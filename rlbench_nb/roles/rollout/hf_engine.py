@@ -20,7 +20,7 @@ class HFRolloutWorker(RolloutWorker):
         self.cfg = cfg
         self.model_dir = model_dir
         self.device = pick_device()
-        self.model = load_causal_lm(model_dir, cfg.model.dtype, self.device)
+        self.model = load_causal_lm(model_dir, cfg.model.dtype, self.device, cfg.model.attention)
         self.model.requires_grad_(False)
         self.model.eval()
         self.eos, self.pad = eos_token_id, pad_token_id

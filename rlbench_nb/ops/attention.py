@@ -1,0 +1,88 @@
+"""Attention for `transformers` models on a CPU: plain matmul-softmax-matmul for small calls, SDPA for big ones.
+
+    model = AutoModelForCausalLM.from_pretrained(path, **attention_kwargs("auto", device))
+
+torch's CPU SDPA kernel (flash attention for CPU) pays a fixed cost per call that dwarfs the work of a small
+one: on a 2-core EPYC, 0.57 ms for a [64 rows, 4 heads, 8 queries, 18 keys, head 32] no-grad call that the
+three plain ops do in 0.17 ms. RL on a CPU is made of such calls (a few dozen tokens per sequence, one query per
+decode step, the responses attending to a shared prompt's cache): at the built-in task's size the plain path
+takes a whole GRPO step from 57 to 50 ms, and at 20M parameters the two are even (benchmarks/attention.py). For
+big calls SDPA wins (2x in the forward from ~10^7 scores on, and it never holds the [B, H, Lq, Lk] scores), so
+`SMALL_SCORES` (the score tensor's element count) splits the two. On an accelerator nothing changes:
+`transformers`' own default.
+
+Both paths take the boolean masks `transformers` builds for SDPA (`sdpa_mask`: True = attend; or None when the
+call is plainly causal), so a model switches between them call by call with no other change. Masked scores get
+the dtype's lowest value, not -inf, as `transformers`' eager attention does: a row with nothing to attend to
+(left padding) gets a uniform softmax instead of NaN.
+"""
+from __future__ import annotations
+
+import torch
+
+NAME = "rlbench_cpu"
+# at most this many scores (B x H x Lq x Lk: 4 MB in fp32) a call takes the plain path: whole steps are faster at
+# the tiny size and even at 20M (benchmarks/README.md, "Attention on a CPU"); a forward's crossover in isolation
+# is ~2-10 x 10^6 scores on a 2-core EPYC (AVX-512)
+SMALL_SCORES = 1 << 20
+
+
+def small_or_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                            **kwargs) -> tuple[torch.Tensor, None]:
+    """A `transformers` attention function (AttentionInterface): [B, H, Lq, D] queries -> [B, Lq, H, D]."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    B, H, Lq, _ = query.shape
+    if B * H * Lq * key.shape[2] > SMALL_SCORES:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if query.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(query.device.type):
+        # in fp32, as SDPA's kernel accumulates: bf16 scores would round each logit of the softmax to 3 digits
+        with torch.autocast(query.device.type, enabled=False):
+            out = _plain(module, query.float(), key.float(), value.float(), attention_mask, scale, dropout, causal)
+        return out.to(query.dtype), None
+    return _plain(module, query, key, value, attention_mask, scale, dropout, causal), None
+
+
+def _plain(module, query, key, value, attention_mask, scale: float, dropout: float, causal: bool) -> torch.Tensor:
+    from transformers.integrations.sdpa_attention import repeat_kv
+    Lq, Lk = query.shape[2], key.shape[2]
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    if attention_mask is None and Lq > 1 and causal:
+        # sdpa_mask leaves a call unmasked when it is plainly causal with as many queries as keys: SDPA's is_causal,
+        # whose mask this is (query i sees keys 0..i, for any shape)
+        attention_mask = torch.ones(Lq, Lk, dtype=torch.bool, device=query.device).tril()
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        else:  # an additive float mask
+            scores = scores + attention_mask.to(scores.dtype)
+    probs = torch.softmax(scores, dim=-1)
+    if dropout > 0 and module.training:
+        probs = torch.nn.functional.dropout(probs, p=dropout)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
+
+
+def register() -> None:
+    """Make NAME an attention implementation `from_pretrained` accepts, with SDPA's masks (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    if NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(NAME, small_or_sdpa_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+def attention_kwargs(setting: str, device: torch.device) -> dict:
+    """from_pretrained's `attn_implementation` for `model.attention`: `auto` is NAME on a CPU and `transformers`'
+    own choice elsewhere; any other value goes as it is (sdpa, eager, flash_attention_2, ...)."""
+    if setting != "auto":
+        return {"attn_implementation": setting}
+    if device.type != "cpu":
+        return {}
+    register()
+    return {"attn_implementation": NAME}
