@@ -254,8 +254,9 @@ class ModelConfig(_Section):
     """Compute dtype. Trainers keep fp32 master weights and compute in it (FSDP2 mixed precision when sharded,
     autocast otherwise); rollout and reference hold their weights in it."""
     attention: Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = "auto"
-    """Attention kernel of the transformers models the roles load (vLLM has its own). auto: on a CPU, plain
-    matmul-softmax-matmul for small calls and SDPA for big ones (ops/attention.py); elsewhere transformers' default."""
+    """Attention kernel of the transformers models the roles load (vLLM has its own). auto: transformers' choice,
+    except that on a CPU, where it chose SDPA, calls of at most 2^20 scores run as plain matmul-softmax-matmul
+    (the same math, without SDPA's fixed cost per call: ops/attention.py)."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters: model.lora.r > 0 trains adapters only (model.lora.r=16 model.lora.alpha=32)."""
 

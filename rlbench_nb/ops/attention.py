@@ -1,6 +1,6 @@
 """Attention for `transformers` models on a CPU: plain matmul-softmax-matmul for small calls, SDPA for big ones.
 
-    model = AutoModelForCausalLM.from_pretrained(path, **attention_kwargs("auto", device))
+    model = load_model(AutoModelForCausalLM, path, cfg.model.attention, device, dtype=torch.float32)
 
 torch's CPU SDPA kernel (flash attention for CPU) pays a fixed cost per call that dwarfs the work of a small
 one: on a 2-core EPYC, 0.57 ms for a [64 rows, 4 heads, 8 queries, 18 keys, head 32] no-grad call that the
@@ -8,8 +8,8 @@ three plain ops do in 0.17 ms. RL on a CPU is made of such calls (a few dozen to
 decode step, the responses attending to a shared prompt's cache): at the built-in task's size the plain path
 takes a whole GRPO step from 57 to 50 ms, and at 20M parameters the two are even (benchmarks/attention.py). For
 big calls SDPA wins (2x in the forward from ~10^7 scores on, and it never holds the [B, H, Lq, Lk] scores), so
-`SMALL_SCORES` (the score tensor's element count) splits the two. On an accelerator nothing changes:
-`transformers`' own default.
+`SMALL_SCORES` (the score tensor's element count) splits the two. It replaces SDPA only where `transformers`
+chose SDPA for the model: a model it runs otherwise keeps that, and on an accelerator nothing changes.
 
 Both paths take the boolean masks `transformers` builds for SDPA (`sdpa_mask`: True = attend; or None when the
 call is plainly causal), so a model switches between them call by call with no other change. Masked scores get
@@ -77,12 +77,14 @@ def register() -> None:
         ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
-def attention_kwargs(setting: str, device: torch.device) -> dict:
-    """from_pretrained's `attn_implementation` for `model.attention`: `auto` is NAME on a CPU and `transformers`'
-    own choice elsewhere; any other value goes as it is (sdpa, eager, flash_attention_2, ...)."""
-    if setting != "auto":
-        return {"attn_implementation": setting}
-    if device.type != "cpu":
-        return {}
-    register()
-    return {"attn_implementation": NAME}
+def load_model(cls, path: str, attention: str, device: torch.device, **kwargs):
+    """`cls.from_pretrained(path, **kwargs)` with `model.attention`: a named implementation is asked for as it is
+    (sdpa, eager, flash_attention_2, ...); `auto` lets transformers choose, then on a CPU puts NAME where it chose
+    SDPA (the same math, call by call). A model transformers runs otherwise (one without SDPA support, e.g.
+    attention sinks) keeps its choice."""
+    model = cls.from_pretrained(path, **kwargs, **({} if attention == "auto" else {"attn_implementation": attention}))
+    if (attention == "auto" and device.type == "cpu" and model.config._attn_implementation == "sdpa"
+            and model._can_set_attn_implementation()):
+        register()
+        model.set_attn_implementation(NAME)
+    return model

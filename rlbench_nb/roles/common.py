@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from ..ops.attention import attention_kwargs
+from ..ops.attention import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -33,7 +33,7 @@ def pick_device() -> torch.device:
 
 def load_causal_lm(path: str, dtype: str, device: torch.device, attention: str = "auto"):
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **attention_kwargs(attention, device))
+    model = load_model(AutoModelForCausalLM, path, attention, device, dtype=DTYPES[dtype])
     return model.to(device)
 
 

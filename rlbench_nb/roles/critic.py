@@ -11,7 +11,7 @@ from ..checkpoint import load_tensors
 from ..config import Config
 from ..data.batch import Batch
 from ..metrics.memory import memory_snapshot
-from ..ops.attention import attention_kwargs
+from ..ops.attention import load_model
 from . import distributed as dist_util
 from . import shards
 from .common import DTYPES, full_sequences, make_adamw, pick_device, response_hidden_slice
@@ -26,8 +26,7 @@ class ValueModel(nn.Module):
     def __init__(self, model_dir: str, dtype: str, attention: str = "auto", device: torch.device | None = None):
         super().__init__()
         from transformers import AutoModel
-        self.backbone = AutoModel.from_pretrained(model_dir, dtype=DTYPES[dtype],
-                                                  **attention_kwargs(attention, device or torch.device("cpu")))
+        self.backbone = load_model(AutoModel, model_dir, attention, device or torch.device("cpu"), dtype=DTYPES[dtype])
         self.head = nn.Linear(self.backbone.config.hidden_size, 1, dtype=DTYPES[dtype])
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)

@@ -16,7 +16,7 @@ import torch
 from ..config import Config, ConfigError
 from ..data.batch import Batch
 from ..metrics.memory import memory_snapshot
-from ..ops.attention import attention_kwargs
+from ..ops.attention import load_model
 from . import distributed as dist_util
 from .common import DTYPES, pick_device
 
@@ -46,8 +46,8 @@ class RewardModelWorker:
         path = Path(path)
         self.device = pick_device()
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            str(path), dtype=DTYPES[rm.dtype], **attention_kwargs(cfg.model.attention, self.device))
+        self.model = load_model(AutoModelForSequenceClassification, str(path), cfg.model.attention, self.device,
+                                dtype=DTYPES[rm.dtype])
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         if pad is None:
             raise ConfigError(f"reward.model.path={rm.path}: its tokenizer has neither a pad nor an EOS token to pad "

@@ -110,22 +110,35 @@ def test_a_big_call_goes_to_sdpa_itself(monkeypatch):
     assert_close(small[1, 1:], ref[1, 1:], atol=1e-6, rtol=1e-6)
 
 
-def test_model_attention_setting_reaches_from_pretrained():
-    assert attention.attention_kwargs("auto", torch.device("cpu")) == {"attn_implementation": attention.NAME}
-    assert attention.attention_kwargs("auto", torch.device("cuda")) == {}  # transformers' own default there
-    assert attention.attention_kwargs("eager", torch.device("cpu")) == {"attn_implementation": "eager"}
+def _llama(path, **overrides):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, **overrides)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def test_model_attention_setting_chooses_the_implementation(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    path = _llama(tmp_path)
+    chosen = lambda setting, device: attention.load_model(  # noqa: E731
+        AutoModelForCausalLM, path, setting, torch.device(device)).config._attn_implementation
+    assert chosen("auto", "cpu") == attention.NAME
+    assert chosen("auto", "cuda") == "sdpa"  # elsewhere transformers' own choice (loaded on the CPU all the same)
+    assert chosen("eager", "cpu") == "eager" and chosen("sdpa", "cpu") == "sdpa"
+    # a model transformers does not run with SDPA (attention sinks, soft-capping kernels...) keeps its own choice
+    monkeypatch.setattr(LlamaForCausalLM, "_supports_sdpa", False)
+    assert chosen("auto", "cpu") == "eager"
 
 
 def test_a_model_gives_the_same_logits_and_cache_either_way(tmp_path):
     """A real Llama (grouped-query heads) loaded with the auto setting and with SDPA: left-padded prefill, a decode
     step on the KV cache, and packed rows (restarting positions, no mask) give the same logits."""
-    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    ours = AutoModelForCausalLM.from_pretrained(tmp_path, **attention.attention_kwargs("auto", torch.device("cpu")))
-    sdpa = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
+    from transformers import AutoModelForCausalLM, DynamicCache
+    path = _llama(tmp_path)
+    ours = attention.load_model(AutoModelForCausalLM, path, "auto", torch.device("cpu"))
+    sdpa = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
     assert ours.config._attn_implementation == attention.NAME
     ids = torch.randint(3, 50, (3, 6), generator=torch.Generator().manual_seed(2))
     mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]])
