@@ -13,8 +13,8 @@ chose SDPA for the model: a model it runs otherwise keeps that, and on an accele
 
 Both paths take the boolean masks `transformers` builds for SDPA (`sdpa_mask`: True = attend; or None when the
 call is plainly causal), so a model switches between them call by call with no other change. Masked scores get
-the dtype's lowest value, not -inf, as `transformers`' eager attention does: a row with nothing to attend to
-(left padding) gets a uniform softmax instead of NaN.
+the dtype's lowest value, as `transformers`' eager attention does: a query with no key to see (a left-padding
+position, never read) gets the mean of the values where SDPA gives zeros.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def small_or_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: t
     """A `transformers` attention function (AttentionInterface): [B, H, Lq, D] queries -> [B, Lq, H, D]."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     B, H, Lq, _ = query.shape
-    if B * H * Lq * key.shape[2] > SMALL_SCORES:
+    if B * H * Lq * key.shape[2] > SMALL_SCORES or kwargs.get("position_bias") is not None:
+        # (a learned position bias, as T5's: SDPA's own handling of it, not a second copy here)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     causal = kwargs.get("is_causal")
@@ -81,10 +82,12 @@ def load_model(cls, path: str, attention: str, device: torch.device, **kwargs):
     """`cls.from_pretrained(path, **kwargs)` with `model.attention`: a named implementation is asked for as it is
     (sdpa, eager, flash_attention_2, ...); `auto` lets transformers choose, then on a CPU puts NAME where it chose
     SDPA (the same math, call by call). A model transformers runs otherwise (one without SDPA support, e.g.
-    attention sinks) keeps its choice."""
+    attention sinks) keeps its choice, as does a composite model."""
     model = cls.from_pretrained(path, **kwargs, **({} if attention == "auto" else {"attn_implementation": attention}))
+    # not a composite model (sub-configs: a vision tower, an encoder...): switching it would switch sub-models
+    # transformers put on other implementations too
     if (attention == "auto" and device.type == "cpu" and model.config._attn_implementation == "sdpa"
-            and model._can_set_attn_implementation()):
+            and not getattr(model.config, "sub_configs", None) and model._can_set_attn_implementation()):
         register()
         model.set_attn_implementation(NAME)
     return model

@@ -49,20 +49,25 @@ CASES = {  # name: (B, H, Lq, Lk, kv heads, mask maker)
     "responses on a prompt's cache": (4, 2, 3, 8, None, lambda: _left_padded_mask(4, 3, 8, [1, 0, 0, 2])),
     "plainly causal (no mask)": (2, 2, 5, 5, None, lambda: None),
     "grouped-query heads": (2, 4, 5, 5, 2, lambda: _left_padded_mask(2, 5, 5, [0, 1])),
+    "an additive float mask": (3, 2, 6, 6, None, lambda: torch.zeros(3, 1, 6, 6, dtype=torch.float64).masked_fill(
+        ~_left_padded_mask(3, 6, 6, [0, 2, 1]), torch.finfo(torch.float64).min)),
+    "bidirectional (an encoder's layer), no mask": (2, 2, 5, 5, None, lambda: None),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_plain_path_matches_sdpa_values_and_gradients(case):
     B, H, Lq, Lk, kv, make_mask = CASES[case]
-    module = types.SimpleNamespace(num_key_value_groups=H // (kv or H), is_causal=True, training=False)
+    module = types.SimpleNamespace(num_key_value_groups=H // (kv or H), is_causal="bidirectional" not in case,
+                                   training=False)
     mask = make_mask()
     ours_in, sdpa_in = _inputs(B, H, Lq, Lk, 8, kv), _inputs(B, H, Lq, Lk, 8, kv)
     ours, _ = attention.small_or_sdpa_attention(module, *ours_in, mask, scaling=0.3)
     ref, _ = sdpa_attention_forward(module, *sdpa_in, mask, scaling=0.3)
-    # a query with no key to see (a left-padded position) is NaN under SDPA and a uniform average here; both are
+    # a query with no key to see (a left-padded position) gets zeros from SDPA and the values' mean here; both are
     # padding a model never reads, so the comparison is over the queries that see something
-    seen = torch.ones(B, Lq, dtype=torch.bool) if mask is None else mask[:, 0].any(-1)
+    visible = None if mask is None else mask > torch.finfo(mask.dtype).min if mask.is_floating_point() else mask
+    seen = torch.ones(B, Lq, dtype=torch.bool) if mask is None else visible[:, 0].any(-1)
     assert torch.isfinite(ours).all()
     # float64 on both sides: the two differ only in the order of their sums (~1e-15)
     assert_close(ours[seen], ref[seen], atol=1e-10, rtol=1e-10)
@@ -106,6 +111,10 @@ def test_a_big_call_goes_to_sdpa_itself(monkeypatch):
     monkeypatch.setattr(attention, "SMALL_SCORES", B * H * Lq * Lk - 1)  # this call is now big
     big, _ = attention.small_or_sdpa_attention(MODULE, q, k, v, mask, scaling=0.3)
     assert calls == [q.shape] and torch.equal(big, ref)
+    monkeypatch.setattr(attention, "SMALL_SCORES", B * H * Lq * Lk)
+    bias = torch.randn(1, H, Lq, Lk)  # a learned position bias (T5's): SDPA's own handling, whatever the size
+    attention.small_or_sdpa_attention(MODULE, q, k, v, mask, scaling=0.3, position_bias=bias)
+    assert calls == [q.shape, q.shape]
     # fp32 logits-sized values; the two sum in different orders (~1e-7)
     assert_close(small[1, 1:], ref[1, 1:], atol=1e-6, rtol=1e-6)
 
@@ -151,7 +160,12 @@ def test_a_model_gives_the_same_logits_and_cache_either_way(tmp_path):
             first = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits
             step = model(input_ids=nxt, attention_mask=torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1),
                          position_ids=pos[:, -1:] + 1, past_key_values=cache).logits
-            packed = model(input_ids=ids.view(1, -1), position_ids=torch.arange(6).repeat(3)[None]).logits
+            # packed rows: restarting positions and no cache (roles/packing.py), so transformers masks each
+            # sequence off from the others; the same logits as each sequence alone
+            packed = model(input_ids=ids.view(1, -1), position_ids=torch.arange(6).repeat(3)[None],
+                           use_cache=False).logits.view(3, 6, -1)
+            alone = model(input_ids=ids, use_cache=False).logits
+            assert_close(packed, alone, atol=1e-5, rtol=1e-5)
         logits.append((first[mask.bool()], step, packed))
     # fp32 on both sides, logits of size ~1: different sum orders differ by ~1e-7
     for a, b in zip(*logits):
