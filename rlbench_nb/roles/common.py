@@ -31,7 +31,7 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def load_causal_lm(path: str, dtype: str, device: torch.device, attention: str = "auto"):
+def load_causal_lm(path: str, dtype: str, device: torch.device, attention: str):
     from transformers import AutoModelForCausalLM
     model = load_model(AutoModelForCausalLM, path, attention, device, dtype=DTYPES[dtype])
     return model.to(device)

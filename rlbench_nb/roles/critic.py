@@ -23,10 +23,10 @@ from .trainer import adam_steps, optimizer_steps
 class ValueModel(nn.Module):
     """Backbone of a causal LM (initialised from the policy, as is usual) + a scalar head per position."""
 
-    def __init__(self, model_dir: str, dtype: str, attention: str = "auto", device: torch.device | None = None):
+    def __init__(self, model_dir: str, dtype: str, attention: str, device: torch.device):
         super().__init__()
         from transformers import AutoModel
-        self.backbone = load_model(AutoModel, model_dir, attention, device or torch.device("cpu"), dtype=DTYPES[dtype])
+        self.backbone = load_model(AutoModel, model_dir, attention, device, dtype=DTYPES[dtype])
         self.head = nn.Linear(self.backbone.config.hidden_size, 1, dtype=DTYPES[dtype])
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
