@@ -113,25 +113,52 @@ def load(path: str | Path, run_dir: str | Path | None = None, overrides=(), take
 def export_weights(path: str | Path, out: str | Path) -> Path:
     """The policy of a checkpoint (or a run's latest) as a Hugging Face model folder in `out`: one whole
     model.safetensors joined from however many ranks' shards, its config and tokenizer. A LoRA checkpoint's
-    policy/ is a peft adapter folder already: load it with PeftModel.from_pretrained."""
+    adapter is merged into its base model (W + alpha/r * B @ A, as the rollout engine receives it); its
+    policy/ stays a peft adapter folder too (PeftModel.from_pretrained)."""
     from safetensors.torch import save_file
 
     from .roles.shards import whole_tensors
     policy = resolve(Path(path)) / "policy"
     out = Path(out)
-    if (policy / "adapter_config.json").exists():
-        raise CheckpointError(f"{policy} holds a LoRA adapter, a peft folder already: "
-                              "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), that folder)")
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} exists and is not empty: give a new folder")
-    weights = whole_tensors(policy)  # read (and checked whole) before anything is written
+    if (policy / "adapter_config.json").exists():
+        weights, files_from = _merged_adapter(policy)
+    else:  # read (and checked whole) before anything is written
+        weights, files_from = whole_tensors(policy), policy
     out.mkdir(parents=True, exist_ok=True)
-    for f in policy.iterdir():  # config, generation config, tokenizer (not an index of the saved files)
+    for f in files_from.iterdir():  # config, generation config, tokenizer (not an index of the saved files)
         if f.is_file() and not f.name.endswith((".safetensors", ".pt", ".index.json")):
             shutil.copy2(f, out / f.name)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     return out
+
+
+def _merged_adapter(policy: Path) -> tuple[dict, Path]:
+    """A LoRA checkpoint's policy as whole base-model weights with the adapter merged in, and the base folder
+    (config, tokenizer): the base is the folder the adapter was trained on (adapter_config.json)."""
+    from safetensors.torch import load_file
+
+    from .roles import lora
+    config = json.loads((policy / "adapter_config.json").read_text())
+    named = config.get("base_model_name_or_path")
+    base = Path(named or "-")
+    files = sorted(base.glob("*.safetensors")) if named and base.is_dir() else []
+    if not files:
+        raise CheckpointError(f"{policy}: the adapter's base model {named!r} (base_model_name_or_path in "
+                              "adapter_config.json) is no folder of safetensors on this machine: put the base "
+                              "model there, or merge with PeftModel.from_pretrained(base, that folder)")
+    base_state = {k: v for f in files for k, v in load_file(f).items()}
+    adapter = lora.adapter_to_model_names(load_file(policy / "adapter_model.safetensors"))
+    adapted = {k.split(".lora_A.")[0].removeprefix(lora.PREFIX) for k in adapter if ".lora_A." in k}
+    missing = sorted(stem for stem in adapted if f"{stem}.weight" not in base_state)
+    if missing:
+        raise CheckpointError(f"{policy}: the adapter does not fit its base model {base} (no {missing[0]}.weight): "
+                              "the base folder was replaced; give the folder the adapter was trained on")
+    live = {(f"{lora.PREFIX}{k.removesuffix('.weight')}.base_layer.weight" if k.removesuffix(".weight") in adapted
+             else f"{lora.PREFIX}{k}"): v for k, v in base_state.items()}
+    return lora.merged_state({**live, **adapter}, config["lora_alpha"] / config["r"]), base
 
 
 # ---- files --------------------------------------------------------------------------------------

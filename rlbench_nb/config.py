@@ -10,6 +10,7 @@ the dotted key, the bad value and, for typos, the nearest valid key.
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -241,7 +242,8 @@ class LoraConfig(_Section):
 
 class ModelConfig(_Section):
     path: str | None = None
-    """Local Hugging Face model directory; null: the task's warm-started model."""
+    """Local Hugging Face model directory, or a GGUF file (or a folder holding one: converted once to a cached
+    from_pretrained folder, data/models.py); null: the task's warm-started model."""
     hidden_size: int = Field(128, ge=8)
     """Built-in model: hidden size."""
     num_layers: int = Field(4, ge=1)
@@ -663,7 +665,20 @@ def _find(path: Path) -> Path:
     raise ConfigError(f"config file not found: {path} (looked in {Path.cwd()} and its parents)")
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _Yaml12Bools(yaml.SafeLoader):
+    """safe_load with YAML 1.2's booleans: only true/false are. YAML 1.1's yes/no/on/off made
+    `algo.rollout_is=off` the boolean False, which the setting ('off' | 'tis' | 'mis') refused; a bool setting
+    still reads the word (pydantic takes 'off', 'no', 'on', 'yes')."""
+
+
+_Yaml12Bools.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Yaml12Bools.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                   list("tTfF"))
+
+
+class _UniqueKeyLoader(_Yaml12Bools):
     """safe_load, except that a key given twice in one mapping (a section pasted twice) is an error
     instead of the last one silently winning."""
 
@@ -723,7 +738,7 @@ def _apply_override(data: dict, item: str) -> None:
     section = _SECTIONS.get(parts[0])
     if len(parts) < 2 or section is None:
         raise ConfigError(f"unknown config key '{key}'{_nearest(key)}")
-    value = yaml.safe_load(raw) if raw.strip() else None
+    value = yaml.load(raw, Loader=_Yaml12Bools) if raw.strip() else None
     cur, where, named = data, parts[0], None
     for i, p in enumerate(parts[1:], start=1):  # down the nested sections (model.lora.r) to the leaf's mapping
         cur = cur.setdefault(parts[i - 1], {})

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DataConfig
+from .config import ConfigError, DataConfig
 from .data.batch import Batch
 
 TOKENIZER_CLASS_FILE = "tokenizer_class.json"  # in a run directory: the class AutoTokenizer chose for its model
@@ -63,6 +63,12 @@ class PromptCodec:
         self.data = data
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
+        if tokenizer.eos_token_id is None:
+            raise ConfigError(f"the tokenizer of {tokenizer.name_or_path} has no EOS token, so no response could "
+                              "end: set tokenizer.eos_token in its tokenizer_config.json (a chat model's end-of-turn "
+                              "token, e.g. <|im_end|>)")
+        if data.chat_template and getattr(tokenizer, "chat_template", None):
+            check_chat_template(tokenizer)
 
     @cached_property
     def max_chars_per_token(self) -> int:
@@ -101,6 +107,24 @@ class PromptCodec:
         text = [self.tokenizer.decode(ids[i][mask[i].bool()].tolist(), skip_special_tokens=True)
                 for i in range(len(batch))]
         return batch.replace(response=text, response_len_B=mask.sum(-1))
+
+
+PROBE = "Probe question 7 + 5 = ?"
+
+
+def check_chat_template(tokenizer) -> None:
+    """The tokenizer's chat template must keep the user's prompt (a template written for other message keys
+    or roles renders nothing of it, and every rollout would then answer an empty conversation)."""
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": PROBE}], tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - jinja2 raises its own TemplateError family
+        raise ConfigError(f"the chat template of {tokenizer.name_or_path} fails on a plain user message "
+                          f"({type(e).__name__}: {e}): fix the template, or set data.chat_template=false") from None
+    if PROBE not in text:
+        raise ConfigError(f"the chat template of {tokenizer.name_or_path} drops the prompt: a user message "
+                          f"{PROBE!r} renders as {text[:120]!r}: fix the template (it must write "
+                          "message['content']), or set data.chat_template=false to send prompts as they are")
 
 
 def generate_inputs(batch: Batch) -> Batch:

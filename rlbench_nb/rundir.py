@@ -6,6 +6,7 @@
       controller_state.json     step, data position, KL controller, evals, trainers' optimizer steps:
                                 rewritten after every step
       rollouts/step_N.jsonl     samples every run.save_rollouts_every steps
+      rollouts/eval_step_N.jsonl  every evaluation's greedy responses and scores (sess.evaluate())
       checkpoints/<name>/       + checkpoints/latest
       summary.json              what the last run() ended with
       owner.json                the lease: which controller writes this run (see `Lease`)
@@ -68,11 +69,11 @@ class RunDir:
     def write_summary(self, summary: dict) -> None:
         write_json(self.path / "summary.json", summary, indent=2)
 
-    def write_rollouts(self, batch: Batch, step: int) -> Path:
-        """rollouts/step_N.jsonl (see `rollout_rows`)."""
+    def write_rollouts(self, batch: Batch, step: int, kind: str = "step") -> Path:
+        """rollouts/step_N.jsonl (see `rollout_rows`); kind="eval_step": an evaluation's greedy responses."""
         d = self.path / "rollouts"
         d.mkdir(exist_ok=True)
-        path = d / f"step_{step:06d}.jsonl"
+        path = d / f"{kind}_{step:06d}.jsonl"
         with path.open("w", encoding="utf-8") as f:
             for row in rollout_rows(batch):
                 f.write(json.dumps(row, default=str) + "\n")

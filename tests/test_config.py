@@ -22,6 +22,21 @@ def test_overrides_are_typed_and_applied():
     assert cfg.override("algo.kl_coef=0").algo.kl_coef == 0.0
 
 
+def test_off_is_the_word_off_and_still_a_false_bool(tmp_path):
+    """YAML 1.1 reads off/no/on/yes as booleans: `algo.rollout_is=off` (one of 'off', 'tis', 'mis') was refused as
+    False. As YAML 1.2 does, only true/false are booleans, in overrides and files; a bool setting reads the words."""
+    cfg = Config.load(None, ["algo.rollout_is=off", "run.tensorboard=off", "data.shuffle=no", "run.deterministic=yes"])
+    assert cfg.algo.rollout_is == "off" and cfg.run.tensorboard is False and cfg.data.shuffle is False
+    assert cfg.run.deterministic is True
+    path = tmp_path / "c.yaml"
+    path.write_text("algo:\n  rollout_is: off\nrun:\n  tensorboard: off\n")
+    cfg = Config.load(path)
+    assert cfg.algo.rollout_is == "off" and cfg.run.tensorboard is False
+    again = tmp_path / "again.yaml"
+    again.write_text(cfg.to_yaml())
+    assert Config.load(again) == cfg
+
+
 @pytest.mark.parametrize("override, message", [
     ("algo.kl_coeff=0.1", "unknown config key 'algo.kl_coeff' (did you mean 'algo.kl_coef'?)"),
     ("algo.klcoef=0.1", "did you mean 'algo.kl_coef'?"),

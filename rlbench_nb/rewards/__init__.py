@@ -4,7 +4,7 @@ and weighted combinations. Each is a plain `fn(prompt, response, **row) -> float
     reward.fn: rlbench_nb.rewards:gsm8k
 """
 from .answers import boxed_answer, equivalent, hashes_answer, last_number, to_number
-from .math import boxed_math, combine, gsm8k, think_format
+from .math import boxed_math, combine, gsm8k, gsm8k_format, gsm8k_with_format, think_format
 
-__all__ = ["boxed_answer", "boxed_math", "combine", "equivalent", "gsm8k", "hashes_answer", "last_number",
-           "think_format", "to_number"]
+__all__ = ["boxed_answer", "boxed_math", "combine", "equivalent", "gsm8k", "gsm8k_format", "gsm8k_with_format",
+           "hashes_answer", "last_number", "think_format", "to_number"]

@@ -48,6 +48,13 @@ def boxed_math(prompt: str, response: str, answer: str, **_) -> float:
     return float(equivalent(predicted, truth))
 
 
+def gsm8k_format(prompt: str, response: str, **_) -> float:
+    """1.0 when the response states its final answer as GSM8K asks, `#### <number>` (whatever the number), else
+    0.0: the format half of `combine((gsm8k, 1.0), (gsm8k_format, 0.2))`."""
+    given = hashes_answer(response)
+    return float(given is not None and bool(NUMBER_RE.search(given)))
+
+
 THINK_RE = re.compile(r"^\s*<think>(?P<thought>.*?)</think>\s*(?P<answer>\S.*)$", re.DOTALL)
 
 
@@ -81,3 +88,8 @@ def combine(*parts: tuple[Callable[..., float], float]) -> Callable[..., float]:
     yours = [m for m in modules if not m.startswith("rlbench_nb.")]
     combined.__module__ = yours[0] if yours else combined.__module__
     return combined
+
+
+# GSM8K's answer by value, plus a little for stating it in the asked format: what configs name as
+# reward.fn: rlbench_nb.rewards:gsm8k_with_format (a small model learns the format long before the answers)
+gsm8k_with_format = combine((gsm8k, 1.0), (gsm8k_format, 0.2))

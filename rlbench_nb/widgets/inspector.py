@@ -127,7 +127,7 @@ class Inspector:
             if field is None or field not in b:
                 raise UsageError(f"'{quantity}' is not in this batch; prepare() it first")
             values = b[field][index][mask]
-        return [(self.tokenizer.decode([t]), float(v)) for t, v in zip(ids, values.tolist())]
+        return list(zip(token_pieces(self.tokenizer, ids), map(float, values.tolist())))
 
     def turns(self, index: int, quantity: str = "log-prob") -> list[dict]:
         """The episode of sample `index` as consecutive segments {"who": "model" | "environment", "text",
@@ -262,6 +262,26 @@ def _at(batch, field: str, i: int):
     return v.item() if hasattr(v, "item") else v
 
 
+def token_pieces(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's piece of the decoded text, so that the pieces join into the response as it reads. A
+    byte-level tokenizer splits a character of several UTF-8 bytes (’, é, 日, an emoji) over tokens that decode
+    alone as '\ufffd' each: such a character goes to the token that completes it, the tokens before it show
+    ''. Decoded in a window from the last complete piece, as streaming detokenizers do (TGI's decode_token):
+    linear in the length, and the window keeps a SentencePiece word's leading space where it belongs."""
+    pieces, prefix, read = [], 0, 0
+    for i in range(len(ids)):
+        shown = tokenizer.decode(ids[prefix:read])
+        text = tokenizer.decode(ids[prefix:i + 1])
+        if len(text) > len(shown) and not text.endswith("\ufffd"):
+            pieces.append(text[len(shown):])
+            prefix, read = read, i + 1
+        else:
+            pieces.append("")
+    if read < len(ids):  # the response ends inside a character (a cut-off multi-byte token): show what it is
+        pieces[-1] = tokenizer.decode(ids[prefix:])[len(tokenizer.decode(ids[prefix:read])):]
+    return pieces
+
+
 def _scale(values) -> tuple[float, float]:
     vals = list(values) or [0.0]
     return min(vals), max(vals)
@@ -272,7 +292,7 @@ def _token_span(text: str, v: float, lo: float, hi: float) -> str:
     t = (v - lo) / (hi - lo) if hi > lo else 0.5
     color = f"rgba({int(255 * (1 - t))},{int(180 * t)},80,0.45)"
     return (f"<span title='{v:.4f}' style='background:{color};padding:1px 2px;margin:1px;"
-            f"border-radius:3px;font-family:monospace'>{html.escape(text)}</span>")
+            f"border-radius:3px;font-family:monospace;white-space:pre-wrap'>{html.escape(text)}</span>")
 
 
 def _turn(label: str, body: str, style: str = "") -> str:

@@ -8,6 +8,8 @@ from rlbench_nb.rewards import (
     combine,
     equivalent,
     gsm8k,
+    gsm8k_format,
+    gsm8k_with_format,
     last_number,
     think_format,
     to_number,
@@ -111,6 +113,25 @@ def test_boxed_math_reads_the_truth_from_a_solution():
 ])
 def test_think_format(prompt, response, expected):
     assert think_format(prompt, response) == expected
+
+
+@pytest.mark.parametrize("response, expected", [
+    ("48 + 24 = 72\n#### 72", 1.0),
+    ("#### $1,200.50", 1.0),
+    ("so #### 7 apples", 1.0),
+    ("The answer is 72.", 0.0),                                        # the right number, not the asked format
+    ("#### seventy-two", 0.0),                                         # no number after the hashes
+    ("####", 0.0),
+])
+def test_gsm8k_format(response, expected):
+    assert gsm8k_format("q", response) == expected
+
+
+def test_gsm8k_with_format_adds_a_fifth_for_the_format():
+    assert gsm8k_with_format("q", "48+24=72\n#### 72", answer="72") == pytest.approx(1.2)
+    assert gsm8k_with_format("q", "#### 70", answer="72") == pytest.approx(0.2)
+    assert gsm8k_with_format("q", "The answer is 72", answer="#### 72") == pytest.approx(1.0)
+    assert gsm8k_with_format("q", "no idea", answer="72") == 0.0
 
 
 def test_combine_weighs_parts_and_keeps_failures_loud():

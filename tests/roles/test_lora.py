@@ -101,6 +101,13 @@ def test_lora_trains_adapters_only_against_the_base_as_reference(small_cfg, tmp_
     assert files == {"adapter_model.safetensors", "adapter_config.json", "trainer_state.pt", "optimizer"}
     assert {f.name for f in (path / "policy" / "optimizer").iterdir()} == {"optimizer.safetensors",
                                                                           "param_groups.json"}
+    # `rlbench-nb weights` merges the adapter into its base: the engine's weights, as a from_pretrained folder
+    from transformers import AutoModelForCausalLM
+
+    from rlbench_nb.checkpoint import export_weights
+    exported = AutoModelForCausalLM.from_pretrained(str(export_weights(path, tmp_path / "merged"))).state_dict()
+    engine = sess.groups["rollout"].call("get_weights")[0]
+    assert exported.keys() == engine.keys() and all(torch.equal(exported[k], engine[k]) for k in engine)
     nxt = sess.step()
     sess.close()
     again = rl.Session.load(path, run_dir=tmp_path / "resumed")

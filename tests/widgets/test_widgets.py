@@ -263,6 +263,30 @@ def test_inspector_shows_an_episode_turn_by_turn(tmp_path, monkeypatch):
     with pytest.raises(rl.UsageError, match="token views need a batch, or a rollouts file with token ids, and a"):
         Inspector(batch).turns(0)
 
-    monkeypatch.setattr(tok, "decode", lambda ids, **_: "<script>alert(1)</script>")
+    monkeypatch.setattr(tok, "decode", lambda ids, **_: "<script>alert(1)</script>" * len(ids))
     page = insp.turns_html(0, "log-prob")  # rollout content, the model's and the environment's, stays text
-    assert "<script>" not in page and page.count("&lt;script&gt;") == 7  # 6 model tokens, 1 environment text
+    mask = batch["response_mask_BR"][0].bool()
+    env_tokens = int((batch["loss_mask_BR"][0][mask] == 0).sum())
+    assert "<script>" not in page and page.count("&lt;script&gt;") == 6 + env_tokens  # every token, escaped
+
+
+def test_token_pieces_join_into_the_text_with_multibyte_characters_whole(tmp_path):
+    """A byte-level BPE (Qwen2's class, trained here on ASCII) splits ’, é, 日本 and an emoji into byte tokens
+    that decode alone as U+FFFD: the token view gives each character to the token that completes it, and the
+    pieces join into exactly the decoded response, however long."""
+    from rlbench_nb.widgets.inspector import token_pieces
+
+    from ..chat_model import make_chat_model
+    make_chat_model(tmp_path / "m", ["the answer is 42", "Janet sells eggs at the market"] * 20)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+    text = "Janet’s café: 日本 🙂 the answer is 42.\n\n#### 42<|im_end|>" * 12
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    singly = [tok.decode([t]) for t in ids]
+    assert sum("\ufffd" in s for s in singly) > 12  # the characters really are split over tokens
+    pieces = token_pieces(tok, ids)
+    assert len(pieces) == len(ids) and "".join(pieces) == tok.decode(ids) == text
+    assert "\ufffd" not in "".join(pieces) and "🙂" in pieces and "’" in pieces
+    assert token_pieces(tok, ids[:-1] + ids[-1:]) == pieces
+    cut = ids[:next(i for i, s in enumerate(singly) if "\ufffd" in s) + 1]  # ends inside a character
+    assert "".join(token_pieces(tok, cut)) == tok.decode(cut)

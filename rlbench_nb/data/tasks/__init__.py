@@ -34,16 +34,17 @@ class Task:
 
 
 def load_task(cfg: Config) -> Task:
+    from ..models import model_folder
     from . import arithmetic
     from .warm_start import warm_started_model_dir
 
-    train, test = arithmetic.make_split(cfg.task)
-    model_dir = Path(cfg.model.path) if cfg.model.path else warm_started_model_dir(cfg.task, cfg.model, train)
     rm = cfg.reward.model.path
+    if rm == "task" and cfg.model.path:
+        raise ConfigError("reward.model.path=task is trained on the built-in warm start's samples, not on "
+                          f"model.path={cfg.model.path}'s: give your own reward model's folder")
+    train, test = arithmetic.make_split(cfg.task)
+    model_dir = model_folder(cfg.model.path) if cfg.model.path else warm_started_model_dir(cfg.task, cfg.model, train)
     if rm == "task":
         from .reward_model import task_reward_model_dir
-        if cfg.model.path:
-            raise ConfigError("reward.model.path=task is trained on the built-in warm start's samples, not on "
-                              f"model.path={cfg.model.path}'s: give your own reward model's folder")
         rm = task_reward_model_dir(cfg.task, cfg.model, model_dir, train, arithmetic.verify)
     return Task(cfg.task.name, model_dir, train, test, arithmetic.verify, Path(rm) if rm else None)

@@ -1,0 +1,70 @@
+"""model.path's bad inputs: each is one line naming the thing and the fix, before anything is written or started.
+(A real GGUF converting into a folder is tests/test_real_model.py's, on SmolLM2-135M-Instruct.)"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import rlbench_nb as rl
+from rlbench_nb.config import ConfigError, DataConfig
+from rlbench_nb.data.models import model_folder
+from rlbench_nb.data.tasks.arithmetic import make_tokenizer
+from rlbench_nb.prompts import PromptCodec
+
+
+def test_a_gguf_transformers_cannot_read_is_refused_and_leaves_no_cache_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLBENCH_NB_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "broken.Q4_0.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 8)  # the magic, then no valid header
+    with pytest.raises(ConfigError, match=r"model.path=.*broken.Q4_0.gguf: transformers .* cannot read this GGUF"):
+        model_folder(bad)
+    assert not list((tmp_path / "cache").glob("gguf/*"))  # neither a folder nor a half-written one
+
+
+def test_a_folder_must_be_a_model_with_a_tokenizer_or_hold_one_gguf(tmp_path):
+    with pytest.raises(ConfigError, match="neither a folder nor a .gguf file"):
+        model_folder(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="has no config.json"):
+        model_folder(tmp_path)
+    (tmp_path / "a.gguf").write_bytes(b"")
+    (tmp_path / "b.gguf").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"holds 2 GGUF files \(a.gguf, b.gguf\): name one of them"):
+        model_folder(tmp_path)
+    weights_only = tmp_path / "weights-only"
+    weights_only.mkdir()
+    (weights_only / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConfigError, match="has no tokenizer .*tokenizer.save_pretrained"):
+        model_folder(weights_only)
+    make_tokenizer(weights_only)
+    assert model_folder(weights_only) == weights_only
+
+
+def test_a_chat_template_that_drops_the_prompt_is_refused(tmp_path):
+    tok = make_tokenizer(tmp_path)
+    tok.chat_template = "{% for m in messages %}{{ m['text'] }}{% endfor %}"  # written for another message key
+    with pytest.raises(ConfigError, match="drops the prompt.*message\\['content'\\].*data.chat_template=false"):
+        PromptCodec(tok, DataConfig(chat_template=True))
+    PromptCodec(tok, DataConfig(chat_template=False))  # the prompts go as they are: nothing to check
+    tok.chat_template = "{{ raise_exception('no') }}"
+    with pytest.raises(ConfigError, match="fails on a plain user message"):
+        PromptCodec(tok, DataConfig(chat_template=True))
+    tok.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    assert PromptCodec(tok, DataConfig(chat_template=True)).prompt_ids("1+2=")
+
+
+def test_a_tokenizer_without_eos_is_refused(tmp_path):
+    tok = make_tokenizer(tmp_path)
+    tok.eos_token = None
+    with pytest.raises(ConfigError, match="has no EOS token, so no response could end"):
+        PromptCodec(tok, DataConfig())
+
+
+def test_a_session_on_a_broken_model_folder_writes_nothing(small_cfg, tmp_path):
+    """The check runs with the task, before the run directory is claimed: a refused model leaves no trace."""
+    model = tmp_path / "my-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 64}))
+    with pytest.raises(ConfigError, match="has no tokenizer"):
+        rl.Session(small_cfg(f"model.path={model}"))
+    assert not (tmp_path / "runs").exists()
