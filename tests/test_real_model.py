@@ -4,11 +4,11 @@ pad, responses of hundreds of tokens with real length spread, log-probs far from
 
 Tolerances. The engine decodes one token at a time against a KV cache; a teacher-forced forward reads the whole
 sequence at once: the same math with fp32 sums blocked differently (and left padding moves them again), through
-30 layers. Measured on a 2-core AMD EPYC: sampled vs teacher-forced log-probs differ by 8.6e-6 on average and
-4.0e-5 at most over ~2,100 tokens; logits move by ~1e-5. The bounds below leave 3x (mean) and 10x (max) room for
-another CPU's kernels and stay orders of magnitude below what a real fault does (a shifted position or stale
-weights: errors of 0.1-10). Greedy text is compared exactly, except after a position where the two best tokens
-tie within 1e-4 — 10x the rounding noise, where either choice is the right argmax on some CPU.
+30 layers. Measured on a 2-core Intel Xeon (AVX-512): sampled vs teacher-forced log-probs differ by 8.6e-6 on
+average and 4.0e-5 at most over ~2,100 tokens; logits move by ~1e-5. The bounds below leave 3x (mean) and 10x
+(max) room for another CPU's kernels and stay orders of magnitude below what a real fault does (a shifted
+position or stale weights: errors of 0.1-10). Greedy text is compared exactly, except after a position where the
+two best tokens tie within 1e-4 — 10x the rounding noise, where either choice is the right argmax on some CPU.
 """
 from __future__ import annotations
 
