@@ -309,6 +309,12 @@ class RolloutConfig(_Section):
     enforce_eager: bool | None = None
     """vLLM: no CUDA graphs / compilation (null: eager on CPU, graphs on GPU)."""
 
+    def greedy(self, max_new_tokens: int | None = None) -> RolloutConfig:
+        """These settings for an evaluation: one greedy response per prompt, capped at `max_new_tokens` (default
+        this config's)."""
+        return self.model_copy(update={"temperature": 0.0, "n": 1,
+                                       "max_new_tokens": max_new_tokens or self.max_new_tokens})
+
 
 class AlgoConfig(_Section):
     advantage: str = "grpo"

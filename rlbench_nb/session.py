@@ -536,14 +536,12 @@ class Session(WhatIf):
 
     # ---- evaluation -----------------------------------------------------------------------------
     def evaluate(self, rows: list[dict] | None = None, *, max_new_tokens: int | None = None) -> dict:
-        """Greedy decoding on the held-out prompts; `eval/accuracy` is the share scoring the maximum 1.0, the
-        responses in rollouts/eval_step_N.jsonl (N: the step evaluated; `rl.inspect(path)` opens it);
-        `max_new_tokens`: another cap than rollout.max_new_tokens for this evaluation. With an
+        """Greedy decoding on the held-out prompts, up to `max_new_tokens` (default rollout's), the responses saved
+        in rollouts/eval_step_N.jsonl; `eval/accuracy` is the share scoring the maximum 1.0. With an
         environment (env.fn), greedy episodes scored by it; `eval/tool_use`: the share that called a tool."""
         with self._phase("evaluate"):
             rows = rows if rows is not None else self.test_data.rows
-            cap = max_new_tokens or self.cfg.rollout.max_new_tokens
-            params = self.cfg.rollout.model_copy(update={"temperature": 0.0, "n": 1, "max_new_tokens": cap})
+            params = self.cfg.rollout.greedy(max_new_tokens)
             batch = self.prompts.encode(rows, 1, tag="eval")
             if self._env_cls is not None:
                 rows_in = batch.only("prompt", *batch.info.get("row_fields", ()))

@@ -218,8 +218,9 @@ def test_lora_trains_only_adapters_and_its_merged_weights_reach_the_engine_and_t
     sess.close()
 
 
-def test_the_real_model_notebook_runs_and_learns_a_signal(real_assets, tmp_path):
-    """notebooks/06_real_model.ipynb top to bottom in a real kernel on SmolLM2 and GSM8K."""
+def test_the_real_model_notebook_runs_top_to_bottom(real_assets, tmp_path):
+    """notebooks/06_real_model.ipynb top to bottom in a real kernel on SmolLM2 and GSM8K: its printed facts are
+    the real model's, and the shaped reward re-scores the same 8 samples within its range."""
     import re
 
     from .test_notebooks import execute
@@ -229,7 +230,10 @@ def test_the_real_model_notebook_runs_and_learns_a_signal(real_assets, tmp_path)
     assert "7472 training and 1319 test questions" in text
     assert re.search(r"8 responses, \d+-64 tokens", text)
     assert "joined text equals the response: True" in text
-    before, after = map(float, re.search(r"groups with a learning signal: ([\d.]+) -> ([\d.]+)", text).groups())
-    assert before <= after
+    m = re.search(r"groups with a learning signal: ([\d.]+) -> ([\d.]+); shaped rewards \[([^\]]*)\]", text)
+    before, after = float(m.group(1)), float(m.group(2))
+    shaped = [float(x) for x in m.group(3).split(",")]
+    assert len(shaped) == 8 and all(0.0 <= x <= 1.5 for x in shaped)  # 1 + 0.3 + 0.2 at most
+    assert before <= after  # the exact reward rarely varies on a 135M model; the shaped one adds credit
     assert len(re.findall(r"step \d: reward [\d.]+, response \d+ tokens, push verified True", text)) == 2
     assert re.search(r"greedy accuracy on 8 held-out questions: [\d.]+; answers in eval_step_000002.jsonl", text)

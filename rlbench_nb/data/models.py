@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from ..config import ConfigError
@@ -33,44 +33,43 @@ TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model
 SOURCE_FILE = "gguf_source.json"  # in a converted folder: the GGUF it came from
 
 
-def model_folder(path: str | Path, setting: str = "model.path") -> Path:
-    """The from_pretrained folder for `path` (a folder, a .gguf file, or a folder holding one .gguf and no
-    config.json); one clear line naming `setting` when it cannot be one."""
+def model_folder(path: str | Path) -> Path:
+    """The from_pretrained folder for model.path `path` (a folder, a .gguf file, or a folder holding one .gguf and
+    no config.json); one clear line when it cannot be one."""
     p = Path(path).expanduser()
     if p.is_dir() and not (p / "config.json").is_file():
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
             p = ggufs[0]
         elif len(ggufs) > 1:
-            raise ConfigError(f"{setting}={path} holds {len(ggufs)} GGUF files ({', '.join(g.name for g in ggufs)}): "
-                              f"name one of them, e.g. {setting}={ggufs[0]}")
+            raise ConfigError(f"model.path={path} holds {len(ggufs)} GGUF files ({', '.join(g.name for g in ggufs)}): "
+                              f"name one of them, e.g. model.path={ggufs[0]}")
     if p.is_file() and p.suffix.lower() == ".gguf":
-        return gguf_folder(p, setting)
+        return gguf_folder(p)
     if not p.is_dir():
-        raise ConfigError(f"{setting}={path} is neither a folder nor a .gguf file: give a local Hugging Face model "
+        raise ConfigError(f"model.path={path} is neither a folder nor a .gguf file: give a local Hugging Face model "
                           "folder (config.json, weights, tokenizer) or a GGUF file")
     if not (p / "config.json").is_file():
-        raise ConfigError(f"{setting}={path} has no config.json: give a Hugging Face model folder (save_pretrained "
+        raise ConfigError(f"model.path={path} has no config.json: give a Hugging Face model folder (save_pretrained "
                           "writes one) or a .gguf file")
     if not any((p / name).is_file() for name in TOKENIZER_MARKERS):
-        raise ConfigError(f"{setting}={path} has no tokenizer (none of {', '.join(TOKENIZER_MARKERS)}): copy the "
+        raise ConfigError(f"model.path={path} has no tokenizer (none of {', '.join(TOKENIZER_MARKERS)}): copy the "
                           "tokenizer files of the model it comes from into it (tokenizer.save_pretrained(folder))")
     return p
 
 
-def gguf_folder(file: Path, setting: str = "model.path", cache: Path | None = None) -> Path:
+def gguf_folder(file: Path, cache: Path | None = None) -> Path:
     """The cached from_pretrained folder of a GGUF file (under `cache`, default $RLBENCH_NB_CACHE or
     ~/.cache/rlbench_nb), converted on first use (atomically: a half-written folder is never used)."""
     from .tasks.warm_start import cache_root
     target = (cache or cache_root()) / "gguf" / f"{file.stem}-{_gguf_key(file)}"
     if (target / SOURCE_FILE).is_file():
         return target
-    log.warning("%s=%s: converting the GGUF file to a from_pretrained folder once (cached in %s)", setting, file,
-                target)
+    log.warning("model.path=%s: converting the GGUF file to a from_pretrained folder once (cached in %s)", file, target)
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        convert_gguf(file, tmp, setting)
+        convert_gguf(file, tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process finished first: its folder is the same conversion
@@ -81,7 +80,7 @@ def gguf_folder(file: Path, setting: str = "model.path", cache: Path | None = No
     return target
 
 
-def convert_gguf(file: Path, out: Path, setting: str = "model.path") -> Path:
+def convert_gguf(file: Path, out: Path) -> Path:
     """Write `file` (GGUF) as a from_pretrained folder `out`: config, fp32 safetensors, tokenizer with its chat
     template. transformers refuses save_pretrained on a model loaded from GGUF, so the weights go through a
     model built fresh from the same config."""
@@ -96,10 +95,10 @@ def convert_gguf(file: Path, out: Path, setting: str = "model.path") -> Path:
         with _quiet():
             loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except ImportError as e:
-        raise ConfigError(f"{setting}={file}: reading GGUF needs the gguf package ({e}): pip install 'gguf>=0.10' "
+        raise ConfigError(f"model.path={file}: reading GGUF needs the gguf package ({e}): pip install 'gguf>=0.10' "
                           "(a dependency of rlbench-nb: reinstall it)") from None
     except Exception as e:  # noqa: BLE001 - transformers' reader raises ValueError, KeyError, struct errors, ...
-        raise ConfigError(f"{setting}={file}: transformers {transformers.__version__} cannot read this GGUF file "
+        raise ConfigError(f"model.path={file}: transformers {transformers.__version__} cannot read this GGUF file "
                           f"({type(e).__name__}: {str(e)[:200]}): convert it to a Hugging Face folder with "
                           "llama.cpp's tools or give the model's original folder") from None
     out.mkdir(parents=True)
@@ -109,7 +108,7 @@ def convert_gguf(file: Path, out: Path, setting: str = "model.path") -> Path:
     fresh.tie_weights()
     untied = [k for k in missing if fresh.get_parameter(k).is_meta] if missing else []
     if unexpected or untied:
-        raise ConfigError(f"{setting}={file}: the GGUF's tensors do not fit its own config (missing {untied[:3]}, "
+        raise ConfigError(f"model.path={file}: the GGUF's tensors do not fit its own config (missing {untied[:3]}, "
                           f"unexpected {unexpected[:3]}): give the model's original folder")
     with _quiet():
         fresh.save_pretrained(str(out), safe_serialization=True)
@@ -136,8 +135,10 @@ def _quiet():
     from transformers.utils import logging
     was = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()
+    plain = (mock.patch.object(reader, "tqdm", lambda items, **_: items) if hasattr(reader, "tqdm")
+             else nullcontext())  # another transformers may read without one: nothing to silence then
     try:
-        with mock.patch.object(reader, "tqdm", lambda items, **_: items):
+        with plain:
             yield
     finally:
         if was:

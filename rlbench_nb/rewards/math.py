@@ -90,6 +90,7 @@ def combine(*parts: tuple[Callable[..., float], float]) -> Callable[..., float]:
     return combined
 
 
-# GSM8K's answer by value, plus a little for stating it in the asked format: what configs name as
-# reward.fn: rlbench_nb.rewards:gsm8k_with_format (a small model learns the format long before the answers)
+# GSM8K's answer by value, plus a little for stating it in the asked format, as a config names it:
+# reward.fn: rlbench_nb.rewards:gsm8k_with_format (the format helps only where some answers use it already:
+# SmolLM2-135M-Instruct writes `####` in none of 32 samples)
 gsm8k_with_format = combine((gsm8k, 1.0), (gsm8k_format, 0.2))

@@ -268,17 +268,17 @@ def token_pieces(tokenizer, ids: list[int]) -> list[str]:
     alone as '\ufffd' each: such a character goes to the token that completes it, the tokens before it show
     ''. Decoded in a window from the last complete piece, as streaming detokenizers do (TGI's decode_token):
     linear in the length, and the window keeps a SentencePiece word's leading space where it belongs."""
-    pieces, prefix, read = [], 0, 0
+    pieces, prefix, read, shown = [], 0, 0, ""
     for i in range(len(ids)):
-        shown = tokenizer.decode(ids[prefix:read])
         text = tokenizer.decode(ids[prefix:i + 1])
         if len(text) > len(shown) and not text.endswith("\ufffd"):
             pieces.append(text[len(shown):])
             prefix, read = read, i + 1
+            shown = tokenizer.decode(ids[prefix:read])
         else:
             pieces.append("")
     if read < len(ids):  # the response ends inside a character (a cut-off multi-byte token): show what it is
-        pieces[-1] = tokenizer.decode(ids[prefix:])[len(tokenizer.decode(ids[prefix:read])):]
+        pieces[-1] = tokenizer.decode(ids[prefix:])[len(shown):]
     return pieces
 
 
