@@ -31,6 +31,7 @@ from .config import Config, ConfigError
 from .errors import UsageError
 from .guard import deferred_interrupts
 from .metrics.log import MetricsLog
+from .roles import PolicyWorker
 from .rundir import RunDir
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ class Branch:
 
     def run(self, steps: int, progress: bool = True, **kw) -> dict:
         """`steps` steps of this branch (inside its `with` block)."""
-        if self._session is None or self._session._branch is not self:
+        if self._session is None or self._session.current_branch is not self:
             raise UsageError(f"branch '{self.name}' has ended: run it inside its `with sess.branch(...)` block, "
                              "or use sess.fork(name, steps, ...)")
         self.summary = self._session.run(steps, progress=progress, **kw)
@@ -147,8 +148,8 @@ class Replay:
 def branch(sess: Session, name: str, overrides=(), reward=None, keep: bool = True):
     """Run the block on a variant of the session (see the module's docstring); the main line comes back
     exactly as it was, whatever the block did or raised."""
-    if sess._branch is not None:
-        raise UsageError(f"already inside branch '{sess._branch.name}': branches do not nest; end it first")
+    if sess.current_branch is not None:
+        raise UsageError(f"already inside branch '{sess.current_branch.name}': branches do not nest; end it first")
     if sess.background is not None and not sess.background.done:
         raise UsageError("a background run is stepping this session: stop it before branching")
     cfg = variant(sess.cfg, overrides)
@@ -161,10 +162,10 @@ def branch(sess: Session, name: str, overrides=(), reward=None, keep: bool = Tru
     main_run = (sess.run_target, sess.run_outcome, sess.run_end_step)  # the dashboard's header: the main line's
     b = Branch(name, tuple(overrides), cfg, path, sess.step_count, _session=sess, _start=start)
     try:
-        sess._branch = b
-        sess._use_config(cfg)
+        sess.current_branch = b
+        sess.apply_config(cfg)
         if reward is not None:
-            sess._use_reward(reward)
+            sess.workers.set_reward(reward)
         sess.rundir = RunDir(path)
         sess.rundir.write_config(cfg)
         sess.metrics = MetricsLog(path, tensorboard=False)
@@ -179,7 +180,7 @@ def branch(sess: Session, name: str, overrides=(), reward=None, keep: bool = Tru
                 b.end = snapshots.take(sess)
         finally:
             with deferred_interrupts("returning to the main line"):  # never left half-way, even on Ctrl-C
-                sess.rundir, sess.metrics, sess._branch = main_rundir, main_metrics, None
+                sess.rundir, sess.metrics, sess.current_branch = main_rundir, main_metrics, None
                 snapshots.restore(sess, start, history=False)  # also the main config and reward function
                 sess.run_target, sess.run_outcome, sess.run_end_step = main_run
                 start.release()
@@ -224,7 +225,7 @@ def replay(sess: Session, batch: Batch, overrides=(), name: str = "replay") -> R
 
 def _weight_change(sess: Session, key: str) -> dict[str, float]:
     totals: dict[str, list[float]] = {}
-    for part in sess.groups["policy"].call("weight_change", key):  # each rank's shards: sum the squares
+    for part in sess.groups["policy"].call(PolicyWorker.weight_change, key):  # each rank's shards: sum the squares
         for k, (diff, ref) in part.items():
             t = totals.setdefault(k, [0.0, 0.0])
             t[0] += diff

@@ -1,5 +1,6 @@
-"""Checkpoints: a whole session's state in a folder, saved and loaded by two free functions (as nanochat's
-`save_checkpoint` / `load_checkpoint`), and the file rules that keep them safe.
+"""Checkpoints: a whole session's state in a folder, saved and restored by two free functions (as nanochat's
+`save_checkpoint` / `load_checkpoint`; `Session.load` builds a session and restores into it), over the file
+rules of checkpoint_files.py that keep them safe.
 
     RUN_DIR/checkpoints/<name>/
       config.yaml         the run's config
@@ -23,29 +24,26 @@ files loaded with `weights_only=True`.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
-import os
-import pickle
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import RLBenchError, disk_full, free_bytes
+# the file rules (checkpoint_files.py), also what callers of this module use by name
+from .checkpoint_files import (  # noqa: F401
+    CheckpointError,
+    checkpoint_path,
+    load_tensors,
+    read_json,
+    resolve,
+    verify,
+    write_atomically,
+)
+from .roles import CriticWorker, PolicyWorker
+from .roles.rollout.base import RolloutWorker
 
 if TYPE_CHECKING:
     from .session import Session
-
-log = logging.getLogger(__name__)
-
-RESERVED_NAMES = {"latest"}
-
-
-class CheckpointError(RLBenchError, ValueError):
-    """A checkpoint that cannot be written or loaded, and why."""
-
 
 # ---- the two functions the controller calls ------------------------------------------------------
 def save(sess: Session, name: str) -> Path:
@@ -58,10 +56,10 @@ def save(sess: Session, name: str) -> Path:
     def write(tmp: Path) -> None:
         sess.cfg.save(tmp / "config.yaml")
         (tmp / "controller.json").write_text(json.dumps(controller, indent=1))
-        groups["policy"].call("save", str(tmp / "policy"))  # all ranks: gathers when sharded
+        groups["policy"].call(PolicyWorker.save, str(tmp / "policy"))  # all ranks: gathers when sharded
         if "critic" in groups:
-            groups["critic"].call("save", str(tmp / "critic"))
-        torch.save(groups["rollout"].call("get_state"), tmp / "rollout_state.pt")
+            groups["critic"].call(CriticWorker.save, str(tmp / "critic"))
+        torch.save(groups["rollout"].call(RolloutWorker.get_state), tmp / "rollout_state.pt")
 
     write_atomically(final, write)
     sess.last_saved_step = controller["step"]
@@ -78,36 +76,19 @@ def restore(sess: Session, path: Path) -> None:
     if len(states) != groups["rollout"].world_size:
         raise CheckpointError(f"checkpoint {path} has {len(states)} rollout rank(s); this session has "
                               f"{groups['rollout'].world_size}: set cluster.rollout_ranks to match")
-    controller = _read_json(path / "controller.json")
+    controller = read_json(path / "controller.json")
     saved = Config.load(path / "config.yaml")
     for section in ("model", "task"):  # what decides the weights' shapes
         if getattr(saved, section) != getattr(sess.cfg, section):
             raise CheckpointError(f"checkpoint {path} was saved with another '{section}' section than this "
                                   f"session's: load it into a session made from its own config.yaml")
-    groups["policy"].call("load", str(path / "policy"))
+    groups["policy"].call(PolicyWorker.load, str(path / "policy"))
     if "critic" in groups:
-        groups["critic"].call("load", str(path / "critic"))
-    groups["rollout"].call_each("set_state", [(s,) for s in states])
+        groups["critic"].call(CriticWorker.load, str(path / "critic"))
+    groups["rollout"].call_each(RolloutWorker.set_state, [(s,) for s in states])
     sess.load_controller_state(controller)
     sess.last_saved_step = sess.step_count
     sess.workers.sync(version=sess.step_count)
-
-
-def load(path: str | Path, run_dir: str | Path | None = None, overrides=(), take_over: bool = False) -> Session:
-    """A new session from a checkpoint folder or a run directory (its latest checkpoint). It writes into
-    `run_dir` when given, else into the run directory the checkpoint belongs to (refused while another
-    live session writes that run, unless `take_over`)."""
-    from .config import Config
-    from .session import Session
-    path = resolve(Path(path))
-    cfg = Config.load(path / "config.yaml", overrides)
-    sess = Session(cfg, run_dir=Path(run_dir) if run_dir else path.parent.parent, take_over=take_over)
-    try:
-        restore(sess, path)
-    except BaseException:
-        sess.close()
-        raise
-    return sess
 
 
 def export_weights(path: str | Path, out: str | Path) -> Path:
@@ -159,172 +140,3 @@ def _merged_adapter(policy: Path) -> tuple[dict, Path]:
     live = {(f"{lora.PREFIX}{k.removesuffix('.weight')}.base_layer.weight" if k.removesuffix(".weight") in adapted
              else f"{lora.PREFIX}{k}"): v for k, v in base_state.items()}
     return lora.merged_state({**live, **adapter}, config["lora_alpha"] / config["r"]), base
-
-
-# ---- files --------------------------------------------------------------------------------------
-def checkpoint_path(run_dir: Path, name: str) -> Path:
-    """`RUN_DIR/checkpoints/<name>`, for a name that is a plain folder name (no separators, not empty, '.',
-    '..', hidden or reserved): anything else could write outside the folder or clobber its bookkeeping."""
-    name = str(name)
-    if (not name or name in (".", "..") or name.startswith(".") or "/" in name or "\\" in name
-            or name in RESERVED_NAMES or os.sep in name):
-        raise CheckpointError(f"checkpoint name {name!r} is not allowed: use a plain folder name such as "
-                              "'step_100' (no path separators, not empty, not starting with '.', not 'latest')")
-    return Path(run_dir) / "checkpoints" / name
-
-
-def write_atomically(final: Path, write: Callable[[Path], None]) -> None:
-    """Write into a temporary sibling folder, then rename: a crash mid-save never leaves a half
-    checkpoint under the final name, and the previous one stays loadable. Updates checkpoints/latest."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-        write(tmp)
-        (tmp / "MANIFEST.json").write_text(json.dumps(_manifest(tmp), indent=1))
-        (tmp / "COMPLETE").write_text("ok")
-    except BaseException as e:
-        full = isinstance(e, Exception) and disk_full(_root_cause(e), final.parent)  # before the space comes back
-        written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if full and tmp.exists() else 0
-        shutil.rmtree(tmp, ignore_errors=True)  # a partial save must not keep the disk full
-        if full:
-            raise CheckpointError(
-                f"no space left to save checkpoint {final.name}: {written / 2**20:.1f} MiB were written before "
-                f"the disk filled ({free_bytes(final.parent) / 2**20:.1f} MiB free now, and a checkpoint of "
-                f"this run needs at least that much more). The partial save was removed; the previous checkpoint "
-                f"({_latest_name(final.parent)}) is untouched. Free space, then save again") from e
-        raise
-    if final.exists():
-        old = final.with_name(f".{final.name}.old{os.getpid()}")
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
-    latest_tmp = final.parent / f".latest.tmp{os.getpid()}"
-    latest_tmp.write_text(final.name)
-    latest_tmp.replace(final.parent / "latest")
-
-
-def _root_cause(e: BaseException) -> BaseException:
-    """A worker's error carries its cause's text; its own __cause__ chain ends at the OSError."""
-    while e.__cause__ is not None:
-        e = e.__cause__
-    return e
-
-
-def _latest_name(folder: Path) -> str:
-    try:
-        return (folder / "latest").read_text().strip()
-    except OSError:
-        return "none yet"
-
-
-def _sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _manifest(folder: Path) -> dict:
-    """{relative path: {"bytes", "sha256"}} of every file in a checkpoint folder."""
-    return {str(f.relative_to(folder)): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-            for f in sorted(folder.rglob("*")) if f.is_file() and f.name not in ("MANIFEST.json", "COMPLETE")}
-
-
-def verify(path: Path) -> None:
-    """Check every file against MANIFEST.json (sizes first: cheap; then sha256): a CheckpointError names
-    the first file that is missing, truncated or changed."""
-    try:
-        manifest = json.loads((path / "MANIFEST.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path} has no readable MANIFEST.json ({e}): it is incomplete or was "
-                              "written by an older rlbench-nb; load another one") from None
-    for name, want in manifest.items():
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {path} is damaged: {name} is missing")
-        if f.stat().st_size != want["bytes"]:
-            raise CheckpointError(f"checkpoint {path} is damaged: {name} has {f.stat().st_size} bytes, "
-                                  f"{want['bytes']} were saved (truncated?)")
-    for name, want in manifest.items():
-        if _sha256(path / name) != want["sha256"]:
-            raise CheckpointError(f"checkpoint {path} is damaged: {name} does not match its sha256 "
-                                  "(changed or corrupted since it was saved)")
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path}: {e}") from None
-
-
-def load_tensors(path: Path, map_location=None):
-    """torch.load with weights_only=True: tensors and plain containers only. A file that would run code
-    when unpickled (or is not a torch file at all) is refused with the file named, and nothing runs."""
-    import torch
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"refusing to load {path}: it is not a tensors-only file ({first}). Checkpoints "
-                              "are loaded without executing pickled code; load an earlier checkpoint") from None
-
-
-def _complete(folder: Path) -> list[Path]:
-    return [p for p in folder.iterdir() if not p.name.startswith(".") and (p / "COMPLETE").exists()]
-
-
-def _saved_ns(checkpoint: Path) -> int:
-    return (checkpoint / "COMPLETE").stat().st_mtime_ns  # written last inside the folder, just before the rename
-
-
-def resolve(path: Path) -> Path:
-    """A verified checkpoint folder from a checkpoint path, a checkpoints/ folder or a run directory.
-
-    From a run directory (or checkpoints/): `latest`, updated right after a save's rename; a process
-    killed in between leaves it naming the previous checkpoint, so the checkpoint saved last (by its
-    COMPLETE marker, written just before the rename) wins. One that fails verification is passed over for
-    the newest one that verifies, with a warning naming the bad file. A checkpoint named directly must
-    verify itself: a CheckpointError says what is wrong and which other checkpoints there are."""
-    path = Path(path)
-    for candidate in (path, path / "checkpoints"):
-        pointer = candidate / "latest"
-        if pointer.is_file():
-            return _newest_good(candidate, candidate / pointer.read_text().strip(), pointer.stat().st_mtime_ns)
-    if not (path / "controller.json").exists():
-        raise CheckpointError(f"no checkpoint at {path} (expected controller.json; give a checkpoint folder "
-                              "or a run directory with checkpoints/latest)")
-    if not (path / "COMPLETE").exists():
-        raise CheckpointError(f"checkpoint {path} is incomplete (interrupted save?); load an earlier one")
-    try:
-        verify(path)
-    except CheckpointError as e:
-        others = sorted(p.name for p in _complete(path.parent) if p != path)
-        raise CheckpointError(f"{e}. Other checkpoints of this run: {others or 'none'}") from None
-    return path.absolute()
-
-
-def _newest_good(folder: Path, named: Path, pointer_ns: int) -> Path:
-    # the one `latest` names, unless a later save finished without moving `latest`; then the others, newest first
-    complete = sorted(_complete(folder), key=_saved_ns, reverse=True)
-    newer = [c for c in complete if _saved_ns(c) > pointer_ns]
-    order = newer + [named] + [c for c in complete if c not in newer and c != named]
-    problems = []
-    for candidate in order:
-        if not (candidate / "COMPLETE").exists():
-            problems.append(f"{candidate.name}: missing or incomplete")
-            continue
-        try:
-            verify(candidate)
-        except CheckpointError as e:
-            problems.append(str(e))
-            continue
-        if candidate != named or problems:
-            log.warning("checkpoints/latest names %s; using %s instead (%s)", named.name, candidate.name,
-                        "; ".join(problems) or f"{candidate.name} was saved after it, by a save interrupted "
-                        "before it could update latest")
-        return candidate.absolute()
-    raise CheckpointError(f"no checkpoint in {folder} verifies: " + "; ".join(problems))

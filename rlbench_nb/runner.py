@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .cluster.errors import WorkerError
-from .errors import BackgroundRunError, SessionStateError
+from .errors import BackgroundRunError, SessionStateError, UsageError
 
 if TYPE_CHECKING:
-    from .session import Session
+    from .session import Session, StartedRollout
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,18 @@ class RunControl:
         return not self.stopped
 
 
+def check_run_args(cfg, async_rollout: bool, max_staleness, on_failure: str) -> None:
+    """`Session.run`'s arguments, refused before anything runs."""
+    if on_failure not in ("raise", "restore"):
+        raise UsageError(f"on_failure={on_failure!r}: use 'raise' or 'restore'")
+    if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
+        raise UsageError(f"max_staleness={max_staleness!r}: a whole number of steps, 0 or more (0: synchronous)")
+    if async_rollout and cfg.rollout.colocate:
+        raise UsageError("async_rollout overlaps generation with the update, but rollout.colocate runs the "
+                         "rollout engine on the trainers' devices (under Ray, in the policy's processes), "
+                         "asleep during updates: turn one of them off")
+
+
 def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, max_staleness: int = 1,
              on_failure: str = "raise", control: RunControl | None = None, progress: bool = True) -> dict:
     """Train for `steps` steps past the session's current step; evaluate before (once per session) and
@@ -79,7 +91,7 @@ def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, max_stal
                     _catch_up(sess, start)
                 after = sess.evals[-1] if sess.evals and sess.evals[-1]["step"] == sess.step_count else sess.evaluate()
                 # not again when the cadence just saved it; a branch keeps its end state in memory (branches.py)
-                if sess._branch is None and sess.last_saved_step != sess.step_count:
+                if sess.current_branch is None and sess.last_saved_step != sess.step_count:
                     sess.save(f"step_{sess.step_count}")
                 break
             except WorkerError as e:
@@ -104,9 +116,9 @@ def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, max_stal
 @dataclass
 class _Ahead:
     """A rollout started ahead of the step that trains on it."""
-    started: tuple         # Session._start_rollout's
-    version: int           # the policy's step count when it was queued: its weights generate it
-    data_position: dict    # the sampler before its draw (a discarded rollout gives its prompts back)
+    started: StartedRollout  # Session.start_rollout's
+    version: int             # the policy's step count when it was queued: its weights generate it
+    data_position: dict      # the sampler before its draw (a discarded rollout gives its prompts back)
 
 
 def _one_step(sess: Session, pending: deque, ahead: int, target: int) -> dict:
@@ -120,7 +132,7 @@ def _one_step(sess: Session, pending: deque, ahead: int, target: int) -> dict:
         pending.append(_start(sess))
     this = pending.popleft()
     try:
-        batch = sess._finish_rollout(this.started)
+        batch = sess.finish_rollout(this.started)
         batch.info.update(off_policy=True, wall_start=t_step)
         batch.info["metrics"]["async/staleness"] = float(sess.step_count - this.version)
         while len(pending) < ahead and sess.step_count + 1 + len(pending) < target:
@@ -136,7 +148,7 @@ def _one_step(sess: Session, pending: deque, ahead: int, target: int) -> dict:
 def _start(sess: Session) -> _Ahead:
     position = sess.sampler.state_dict()
     try:
-        return _Ahead(sess._start_rollout(), sess.step_count, position)
+        return _Ahead(sess.start_rollout(), sess.step_count, position)
     except KeyboardInterrupt:  # held until the draw was made (phases end first): give its prompts back
         sess.sampler.load_state_dict(position)
         raise
@@ -148,7 +160,7 @@ def _discard(sess: Session, pending: deque) -> None:
     if pending:
         sess.sampler.load_state_dict(pending[0].data_position)
     while pending:
-        sess._discard_rollout(pending.popleft().started)
+        sess.discard_rollout(pending.popleft().started)
 
 
 def _catch_up(sess: Session, start: int) -> None:
@@ -161,7 +173,7 @@ def _catch_up(sess: Session, start: int) -> None:
         sess.evaluate()
     # a branch saves none: it keeps its end state in memory for adopt (branches.py)
     if (run.checkpoint_every and step % run.checkpoint_every == 0 and sess.last_saved_step != step
-            and sess._branch is None):
+            and sess.current_branch is None):
         sess.save(f"step_{step}")
 
 

@@ -25,36 +25,30 @@ import time
 import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import checkpoint, cluster
-from .algos import (
-    compute_advantages,
-    make_kl_controller,
-    masked_mean,
-    mismatch_metrics,
-    outcome_token_rewards,
-    reference_kl,
-    rollout_is_weights,
-    sequence_advantage,
-)
+from .algos import make_kl_controller
+from .algos.prepare import advantages_for
+from .cluster.base import finish_all
 from .cluster.workers import Workers
-from .config import Config, ConfigError
-from .data.batch import Batch, trained_tokens
-from .data.datasets import PromptDataset, PromptSampler, read_rows, validate_rows
-from .data.tasks import load_task
+from .config import Config
+from .data.batch import Batch, minibatch_major
+from .data.datasets import PromptSampler
 from .determinism import configure_process, sample_seeds
-from .envs import load_env
 from .errors import UsageError
 from .guard import SessionGuard, deferred_interrupts
+from .inputs import load_inputs
 from .metrics import compute, timeline
-from .metrics.health import SkipWatch
+from .metrics.health import SkipWatch, mismatch_alarm
 from .metrics.log import MetricsLog
 from .metrics.trackers import make_trackers
-from .prompts import PromptCodec, generate_inputs, load_tokenizer, remember_tokenizer, reward_inputs
-from .roles import load_reward_fn, role_specs
+from .prompts import generate_inputs, remember_tokenizer, reward_inputs
+from .roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker, RewardWorker, role_specs
+from .roles.rollout.base import RolloutWorker
 from .rundir import Lease, RunDir, fresh_run_dir
 from .whatif import WhatIf
 
@@ -99,21 +93,21 @@ class Session(WhatIf):
         self.rundir.write_config(cfg)
         remember_tokenizer(self.run_dir, self.prompts.tokenizer, str(self.task.model_dir))
         trackers = make_trackers(cfg.run.trackers, self.run_dir, cfg)  # before the workers: a bad setup costs nothing
-        if cfg.rollout.engine == "vllm" and cfg.cluster.backend == "local":
+        if cfg.rollout.engine == "vllm" and cluster.in_process(cfg):
             from .roles.rollout.vllm_engine import import_vllm
             import_vllm()  # a missing install is one clear line before any worker starts
         tok = self.prompts.tokenizer
-        specs = role_specs(cfg, str(self.task.model_dir), tok.eos_token_id, tok.pad_token_id, self._reward_fn,
-                           str(self.task.reward_model_dir))
+        specs = role_specs(cfg, str(self.task.model_dir), tok.eos_token_id, tok.pad_token_id, self.task_reward_fn,
+                           str(self.task.reward_model_dir), in_process=cluster.in_process(cfg))
         try:
-            self.workers = Workers(cfg, specs, self.name, reattach=_attach)
+            self.workers = Workers(cfg, specs, self.name, reward_fn=self.task_reward_fn, reattach=_attach)
         except BaseException:  # a session that never started holds nothing: its run directory, its tracker runs
             for tracker in trackers:
                 tracker.close()
             self.lease.release()
             raise
-        if not _attach and cfg.cluster.backend == "ray":
-            self.groups["policy"].set_meta({"run_dir": str(self.run_dir)})
+        if not _attach:
+            self.workers.record_run(str(self.run_dir))
 
         self.kl_ctrl = make_kl_controller(cfg.algo)
         self.step_count = 0
@@ -125,12 +119,9 @@ class Session(WhatIf):
         # how the last run() ended (finished, stopped, failed) and at which step; cleared by a step or a restore
         self.run_outcome: str | None = None
         self.run_end_step: int | None = None
-        self._rollout_stale = False         # a weight push failed after an update: push before generating
         self.last_saved_step: int | None = None  # the step of this session's newest checkpoint
-        self._snapshots: set[str] = set()   # keys the workers hold (snapshots.py)
-        self._branch = None                 # the Branch being run (branches.py), or None: the main line
+        self.current_branch = None          # the Branch being run (set by branches.branch), or None: the main line
         self.branches: dict = {}            # name -> Branch, every branch this session ran
-        self._custom_losses: dict = {}      # name -> policy loss shipped to the policy workers
         self.state = "ready"
         if _attach:
             self.load_controller_state(self.rundir.read_state())
@@ -138,23 +129,14 @@ class Session(WhatIf):
         _LIVE.add(self)
 
     def _load_inputs(self, run_dir: str | Path | None = None) -> None:
-        """The task, its tokenizer and data, the reward function and environment: all checked before the run
-        directory is claimed or any worker starts. `run_dir`: an existing run's, which remembers its tokenizer."""
-        cfg = self.cfg
-        self.task = load_task(cfg)
-        need, positions = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, self.task.max_positions
-        if positions and need > positions:
-            raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {need} tokens, more than the model's "
-                              f"{positions} positions (max_position_embeddings in {self.task.model_dir}): lower them")
-        self.prompts = PromptCodec(load_tokenizer(str(self.task.model_dir), run_dir), cfg.data)
-        self.train_data = self._dataset(cfg.data.train_path, self.task.train_rows, "train")
-        self.test_data = self._dataset(cfg.data.test_path, self.task.test_rows, "test")
-        self.sampler = PromptSampler(len(self.train_data), cfg.data.batch_size, cfg.run.seed, cfg.data.shuffle)
-        self._reward_fn = self.task.verifier if cfg.reward.fn == "task" else load_reward_fn(cfg.reward.fn)
-        self._env_cls = load_env(cfg.env.fn) if cfg.env.fn else None  # multi-turn episodes (envs/)
-        if self.task.reward_model_dir:  # a wrong folder costs nothing yet
-            from .roles.reward_model import check_reward_model
-            check_reward_model(str(self.task.reward_model_dir))
+        """inputs.py: all checked before the run directory is claimed or any worker starts."""
+        inputs = load_inputs(self.cfg, run_dir)
+        self.task, self.prompts = inputs.task, inputs.prompts
+        self.train_data, self.test_data = inputs.train_data, inputs.test_data
+        self.sampler = PromptSampler(len(self.train_data), self.cfg.data.batch_size, self.cfg.run.seed,
+                                     self.cfg.data.shuffle)
+        self.task_reward_fn = inputs.reward_fn  # what the reward workers start with (workers.reward_fn: now)
+        self._env_cls = inputs.env_cls
 
     @classmethod
     def attach(cls, name: str, address: str | None = "auto", namespace: str = "rlbench-nb", *,
@@ -168,15 +150,14 @@ class Session(WhatIf):
     def _check_trainers_at_step(self) -> None:
         """Attached: the trainers must be where the last committed step left them. A controller killed during
         an update (or between it and its commit) leaves them past it: the session then needs `resync()`."""
-        for role, expected in self.trainer_steps.items():
-            held = self.groups[role].call("adam_steps")[0] if role in self.groups else expected
-            if held != expected:
-                self.state = "needs_resync"
-                log.warning("the %s has taken %d optimizer steps, but this run's last committed step (%d) left it "
-                            "at %d: its controller was killed during step %d's update. Call sess.resync() to "
-                            "return every role to the latest checkpoint", role, held, self.step_count, expected,
-                            self.step_count + 1)
-                return
+        ahead = self.workers.trainers_past(self.trainer_steps)
+        if ahead:
+            role, held = ahead
+            self.state = "needs_resync"
+            log.warning("the %s has taken %d optimizer steps, but this run's last committed step (%d) left it at "
+                        "%d: its controller was killed during step %d's update. Call sess.resync() to return every "
+                        "role to the latest checkpoint", role, held, self.step_count, self.trainer_steps[role],
+                        self.step_count + 1)
 
     # ---- what the session holds ------------------------------------------------------------------
     @property
@@ -207,6 +188,11 @@ class Session(WhatIf):
         return self.prompts.tokenizer
 
     @property
+    def reward_fn(self) -> Callable[..., float]:
+        """The reward function the reward workers hold now (set_reward, a branch or a restore change it)."""
+        return self.workers.reward_fn
+
+    @property
     def history(self) -> list[dict]:
         """One metrics row per training step (with its "step")."""
         return self.metrics.history
@@ -220,16 +206,6 @@ class Session(WhatIf):
         """Call `fn(row)` after each step's metrics row is written (`fn(None)` after an evaluation or a
         run's end); returns a function that unsubscribes."""
         return self.metrics.on_step(fn)
-
-    def _dataset(self, path: str | None, builtin: list[dict], split: str) -> PromptDataset:
-        d = self.cfg.data
-        if path:
-            numbered, problems = read_rows(path)
-            source = str(path)
-        else:
-            numbered, problems, source = list(enumerate(builtin)), [], f"{self.cfg.task.name}/{split}"
-        return validate_rows(numbered, d.prompt_key, d.max_prompt_len, lambda p: len(self.prompts.prompt_ids(p)),
-                             source, problems, max_chars_per_token=self.prompts.max_chars_per_token)
 
     @contextmanager
     def _phase(self, what: str, changes_state: bool = False, repairs: bool = False):
@@ -245,14 +221,14 @@ class Session(WhatIf):
         with self._phase("rollout"):
             return self._collect_rollout(self._submit_rollout(rows))
 
-    def _start_rollout(self, rows: list[dict] | None = None) -> tuple:
+    def start_rollout(self, rows: list[dict] | None = None) -> StartedRollout:
+        """`rollout()` in two halves, so other work can run while the engine generates (runner.py's async
+        steps): this starts it, `finish_rollout(started)` returns its batch, `discard_rollout` drops it."""
         with self._phase("rollout"):
             return self._submit_rollout(rows)
 
-    def _submit_rollout(self, rows: list[dict] | None) -> tuple:
-        if self._rollout_stale:  # the last push failed after its update: the engine must catch up first
-            self.workers.sync(self.step_count)
-            self._rollout_stale = False
+    def _submit_rollout(self, rows: list[dict] | None) -> StartedRollout:
+        self.workers.catch_up(self.step_count)  # the last push failed after its update: push first
         if rows is None:
             draw = ("train", self.sampler.state_dict())  # the data position: one draw's, whatever came before
             rows = [self.train_data.rows[i] for i in self.sampler.next_indices()]
@@ -262,20 +238,21 @@ class Session(WhatIf):
         if self._env_cls is not None:  # episodes: each env instance starts from its data row
             t0 = time.perf_counter()
             rows_in = batch.only("prompt", *batch.info.get("row_fields", ()))
-            return batch, self.groups["rollout"].submit_shards("generate_episodes", rows_in, self._env_cls), t0
+            return StartedRollout(batch, self.groups["rollout"].submit_shards(RolloutWorker.generate_episodes, rows_in,
+                                                                              self._env_cls), t0)
         inputs = generate_inputs(batch)
         if self.cfg.run.deterministic:  # determinism.py: sampling seeded per draw, not by the engine's RNG
             inputs["sample_seed_B"] = sample_seeds(self.cfg.run.seed, draw, len(batch))
         t0 = time.perf_counter()  # before submitting: the local backend does the work inside submit_shards
-        return batch, self.groups["rollout"].submit_shards("generate", inputs), t0
+        return StartedRollout(batch, self.groups["rollout"].submit_shards(RolloutWorker.generate, inputs), t0)
 
-    def _finish_rollout(self, started: tuple) -> Batch:
+    def finish_rollout(self, started: StartedRollout) -> Batch:
         with self._phase("rollout"):
             return self._collect_rollout(started)
 
-    def _collect_rollout(self, started: tuple) -> Batch:
-        batch, pending, t0 = started
-        parts = self.groups["rollout"].collect(pending)
+    def _collect_rollout(self, started: StartedRollout) -> Batch:
+        batch, t0 = started.batch, started.t0
+        parts = self.groups["rollout"].collect(started.pending)
         if parts and "loss_mask_BR" in parts[0]:  # episodes: the environments' own prompts, several widths
             from .roles.rollout.episodes import cat_episodes
             batch = batch.replace(cat_episodes(parts, self.prompts.tokenizer.pad_token_id))
@@ -283,16 +260,16 @@ class Session(WhatIf):
             batch = batch.replace(Batch.cat(parts))
         seconds = time.perf_counter() - t0
         if self.workers.rollout_sleeps():  # give the accelerator to the trainers until the next weight sync
-            self.groups["rollout"].call("sleep")
+            self.groups["rollout"].call(RolloutWorker.sleep)
         batch = self.prompts.decode(batch)
         batch.info.update(step=self.step_count,
                           metrics=compute.rollout_metrics(batch, seconds, self.cfg.rollout.max_new_tokens))
         return batch
 
-    def _discard_rollout(self, started: tuple) -> None:
+    def discard_rollout(self, started: StartedRollout) -> None:
         """Wait for a started rollout nobody will use (so its worker is free), ignoring its failure."""
         try:
-            self.groups["rollout"].collect(started[1])
+            self.groups["rollout"].collect(started.pending)
         except Exception:
             pass
 
@@ -306,7 +283,7 @@ class Session(WhatIf):
             with compute.timed(m, "time/score_s"):
                 # the critic's value pass beside the rewards, on its own workers (the seed's PPO: critic and
                 # reward model score in parallel); prepare reuses the values while the weights are the same
-                scored, (values,) = _finish_all(lambda: self._rewards(reward_inputs(batch), batch),
+                scored, (values,) = finish_all(lambda: self._rewards(reward_inputs(batch), batch),
                                                 self._start_values(batch))
             out = batch.replace(scored)
             if values is not None:
@@ -330,7 +307,7 @@ class Session(WhatIf):
         if "critic" not in self.groups or self._has_current_values(batch) or "response_mask_BR" not in batch:
             return None  # (a batch without tokens: rewards only, the values come in prepare)
         critic = self.groups["critic"]
-        return critic, critic.submit_shards("compute_values", batch)
+        return critic, critic.submit_shards(CriticWorker.compute_values, batch)
 
     def _has_current_values(self, batch: Batch) -> bool:
         return "values_BR" in batch and batch.info.get("values_epoch") == self.guard.epoch
@@ -342,9 +319,10 @@ class Session(WhatIf):
         if "env_scores_B" in batch:
             return Batch({"scores_B": batch["env_scores_B"].float()}, {"reward_error": [""] * len(batch)})
         if "reward_model" not in self.groups:
-            return self.groups["reward"].call_split("score", inputs)
-        model_call = (self.groups["reward_model"], self.groups["reward_model"].submit_shards("score", inputs))
-        scored, (model,) = _finish_all(lambda: self.groups["reward"].call_split("score", inputs), model_call)
+            return self.groups["reward"].call_split(RewardWorker.score, inputs)
+        rm = self.groups["reward_model"]
+        model_call = (rm, rm.submit_shards(RewardModelWorker.score, inputs))
+        scored, (model,) = finish_all(lambda: self.groups["reward"].call_split(RewardWorker.score, inputs), model_call)
         model = Batch.cat(model)
         w = self.cfg.reward
         scored["rule_scores_B"], scored["rm_scores_B"] = scored["scores_B"], model["rm_scores_B"]
@@ -368,49 +346,30 @@ class Session(WhatIf):
                 # one step off-policy: the importance ratio is against the policy that generated the batch
                 out["old_logprobs_BR"] = batch["rollout_logprobs_BR"]
             elif not self._reuses_logprobs():
-                calls["policy"] = self._submit("policy", "compute_logprobs", batch)
+                calls["policy"] = self._submit("policy", PolicyWorker.compute_logprobs, batch)
             else:  # the update's own forward: valid only with these weights and these settings (update checks)
                 out.info["logprobs_epoch"] = self.guard.epoch
             if self.cfg.uses_reference:  # with LoRA: the policy's own model with its adapters off
-                calls["reference"] = (self._submit("reference", "compute_logprobs", batch) if "reference" in self.groups
-                                      else self._submit("policy", "reference_logprobs", batch))
+                calls["reference"] = (self._submit("reference", ReferenceWorker.compute_logprobs, batch)
+                                      if "reference" in self.groups
+                                      else self._submit("policy", PolicyWorker.reference_logprobs, batch))
             if "critic" in self.groups and not self._has_current_values(batch):
-                calls["critic"] = self._submit("critic", "compute_values", batch)
-            for done in _finish_all(lambda: None, *calls.values())[1]:
+                calls["critic"] = self._submit("critic", CriticWorker.compute_values, batch)
+            for done in finish_all(lambda: None, *calls.values())[1]:
                 out.update(Batch.cat(done))
-            mask = batch["response_mask_BR"].float()  # where each sequence is: its reward sits on the last token
-            trained = trained_tokens(batch).float()     # the model's own tokens: log-prob terms are taken over these
-            if "old_logprobs_BR" in out and "rollout_logprobs_BR" in batch and not batch.info.get("off_policy"):
-                # the engine's sampler vs the trainer on the same tokens and weights (reused: the policy
-                # worker measures it in its update, from the same forward)
-                m.update(mismatch_metrics(batch["rollout_logprobs_BR"], out["old_logprobs_BR"], trained))
-                if a.rollout_is != "off":
-                    out["is_weights_BR"], is_stats = rollout_is_weights(
-                        out["old_logprobs_BR"], batch["rollout_logprobs_BR"], trained, a.rollout_is, a.rollout_is_cap)
-                    m.update(is_stats)
-            rewards = outcome_token_rewards(batch["scores_B"], mask)
-            if self.cfg.uses_reference:
-                m["kl/coef"] = self.kl_ctrl.value
-            if self.cfg.uses_reference and "old_logprobs_BR" in out:  # reused: the update measures the KL itself
-                kl_BR, current = reference_kl(out["old_logprobs_BR"], out["ref_logprobs_BR"], trained, a.kl_estimator)
-                m["kl/ref"] = masked_mean(kl_BR, trained).item()
-                out.info["kl_current"] = current  # the KL controller moves when the step is taken (update)
-                if a.kl_in == "reward":
-                    rewards = rewards - self.kl_ctrl.value * kl_BR
-            adv, returns = compute_advantages(a.advantage, rewards, mask, group_ids=batch["group"],
-                                              values_BR=out.get("values_BR"), cfg=a)
-            adv = adv * trained if "loss_mask_BR" in batch else adv  # no advantage on environment tokens
-            out["token_rewards_BR"], out["advantages_BR"] = rewards, adv
-            if returns is not None:
-                out["returns_BR"] = returns
-            out["advantage"] = sequence_advantage(adv, trained).tolist()
+            prepared = advantages_for(batch, out, a, uses_reference=self.cfg.uses_reference,
+                                      kl_coef=self.kl_ctrl.value)
+            out.update({**prepared.tensors, "advantage": prepared.advantage})
+            if prepared.kl_current is not None:  # the KL controller moves when the step is taken (update)
+                out.info["kl_current"] = prepared.kl_current
+            m.update(prepared.metrics)
             seconds = time.perf_counter() - t0
             m.update({"time/prepare_s": seconds, **compute.advantage_metrics(out),
                       **compute.throughput(out, "prepare", seconds)})
             out.info["metrics"] = m
             return out
 
-    def _submit(self, role: str, method: str, batch: Batch) -> tuple:
+    def _submit(self, role: str, method: Callable, batch: Batch) -> tuple:
         group = self.groups[role]
         return group, group.submit_shards(method, batch)
 
@@ -444,7 +403,7 @@ class Session(WhatIf):
             m["time/step_s"] = compute.step_seconds(m, batch.info.get("wall_start"))
             if "async/staleness" in m:  # a run's async step (runner.py): how busy each side kept the other
                 m.update(timeline.idle_fractions(self.groups, batch.info["wall_start"], m["time/step_s"]))
-            self._mismatch_alarm(m)
+            mismatch_alarm(m, self.cfg.algo.mismatch_alarm, self.step_count + 1)
             self._commit_step(batch, m)
             return m
 
@@ -456,18 +415,15 @@ class Session(WhatIf):
         try:
             if "critic" in self.groups:
                 critic = self.groups["critic"]
-                shards = _minibatch_major(batch, t.mini_batches, critic.world_size)
-                m.update(compute.mean_over_ranks(critic.call_shards("update", shards)))
+                shards = minibatch_major(batch, t.mini_batches, critic.world_size)
+                m.update(compute.mean_over_ranks(critic.call_shards(CriticWorker.update, shards)))
                 self.trainer_steps["critic"] = int(m.pop("adam_steps"))
             if self.step_count < t.critic_warmup:
                 return
             policy = self.groups["policy"]
-            pending = policy.submit_shards("update", _minibatch_major(batch, t.mini_batches, policy.world_size),
-                                           self.kl_ctrl.value)
-            # under Ray the weight push is queued right behind the update in the policy's processes, with no
-            # round trip in between; not when a sleeping engine must wait for the update to end to wake up
-            early = (self.workers.start_sync(self.step_count + 1)
-                     if self.cfg.cluster.backend == "ray" and not self.workers.rollout_sleeps() else None)
+            shards = minibatch_major(batch, t.mini_batches, policy.world_size)
+            pending = policy.submit_shards(PolicyWorker.update, shards, self.kl_ctrl.value)
+            early = self.workers.start_sync(self.step_count + 1) if self.workers.pushes_behind_update() else None
             m.update(compute.mean_over_ranks(policy.collect(pending)))
             self.trainer_steps["policy"] = int(m.pop("adam_steps"))
         except BaseException:
@@ -476,23 +432,9 @@ class Session(WhatIf):
         try:  # sync/s of a push queued behind the update: what it added after the update
             m.update(self.workers.finish_sync(early, since=time.perf_counter()) if early
                      else self.workers.sync(self.step_count + 1))
-        except Exception:
-            self._rollout_stale = True
+        except Exception:  # workers.push_failed: the next rollout pushes again first
             self._commit_step(batch, m)
             raise
-
-    def _mismatch_alarm(self, m: dict) -> None:
-        """mismatch/alarm: the engine's log-probs drifted from the trainer's past algo.mismatch_alarm (a stale
-        or half-loaded engine, a dtype or kernel difference): said once per step, and shown in the dashboard."""
-        limit, seen = self.cfg.algo.mismatch_alarm, m.get("mismatch/logp_abs_mean")
-        if limit is None or seen is None:
-            return
-        m["mismatch/alarm"] = float(seen > limit)
-        if seen > limit:
-            log.warning("step %d: the rollout engine's log-probs differ from the trainer's by %.4f per token on "
-                        "average (max %.4f; alarm above algo.mismatch_alarm=%g): check the weight sync and the "
-                        "engine's dtype, or correct with algo.rollout_is=tis", self.step_count + 1, seen,
-                        m.get("mismatch/logp_abs_max", float("nan")), limit)
 
     def _commit_step(self, batch: Batch, m: dict) -> None:
         """The step's bookkeeping, all together: step count, KL controller, metrics row, controller state."""
@@ -523,16 +465,14 @@ class Session(WhatIf):
         except KeyboardInterrupt:
             with deferred_interrupts("rewinding the interrupted step"):
                 self.sampler.load_state_dict(data_position)
-                self.groups["rollout"].call("rewind", f"s{self.step_count}")  # this step's draw, if it ran
+                self.groups["rollout"].call(RolloutWorker.rewind, f"s{self.step_count}")  # this step's draw, if it ran
             raise
         return self.update(batch)
 
     def sync_weights(self) -> dict:
         """Push the policy's full weights to every rollout rank; bytes and seconds are metrics."""
         with self._phase("sync_weights"):
-            out = self.workers.sync(self.step_count)
-            self._rollout_stale = False
-            return out
+            return self.workers.sync(self.step_count)
 
     # ---- evaluation -----------------------------------------------------------------------------
     def evaluate(self, rows: list[dict] | None = None, *, max_new_tokens: int | None = None) -> dict:
@@ -546,15 +486,16 @@ class Session(WhatIf):
             if self._env_cls is not None:
                 rows_in = batch.only("prompt", *batch.info.get("row_fields", ()))
                 group = self.groups["rollout"]
-                parts = group.collect(group.submit_shards("generate_episodes", rows_in, self._env_cls, params))
+                parts = group.collect(group.submit_shards(RolloutWorker.generate_episodes, rows_in, self._env_cls,
+                                                          params))
                 scores = torch.cat([part["env_scores_B"] for part in parts])
                 called = torch.cat([part["tool_calls_B"] for part in parts]) > 0
                 extra = {"eval/tool_use": called.float().mean().item()}
             else:
                 extra = {}
-                generated = self.groups["rollout"].call_split("generate", generate_inputs(batch), params)
+                generated = self.groups["rollout"].call_split(RolloutWorker.generate, generate_inputs(batch), params)
                 batch = self.prompts.decode(batch.replace(generated))
-                scores = self.groups["reward"].call_split("score", reward_inputs(batch))["scores_B"]
+                scores = self.groups["reward"].call_split(RewardWorker.score, reward_inputs(batch))["scores_B"]
                 self.rundir.write_rollouts(batch.replace(scores_B=scores), self.step_count, "eval_step")
             result = {"step": self.step_count, "eval/accuracy": (scores >= 1.0).float().mean().item(),
                       "eval/reward_mean": scores.mean().item(), "eval/n": len(rows), **extra}
@@ -570,7 +511,7 @@ class Session(WhatIf):
         from .algos.custom import shippable
         shippable(fn, "reward function", "reward workers")
         with self._phase("set_reward"):
-            self._use_reward(fn)
+            self.workers.set_reward(fn)
         return fn
 
     reward = set_reward  # as a decorator: @sess.reward
@@ -590,11 +531,6 @@ class Session(WhatIf):
         with self._phase("set_env"):
             self._env_cls = env_cls
         return env_cls
-
-    def _use_reward(self, fn: Callable[..., float]) -> None:
-        self._reward_fn = fn
-        self.workers.replace_args("reward", fn, self.cfg.reward, self.cfg.cluster.backend == "local")
-        self.groups["reward"].call("set_fn", fn)
 
     # ---- runs -----------------------------------------------------------------------------------
     def run(self, steps: int | None = None, *, progress: bool = True, async_rollout: bool = False,
@@ -620,15 +556,8 @@ class Session(WhatIf):
         failure cut runs again. A fault that comes back 3 times before the run gets past it is raised.
         Metric rows past the restored step move to metrics.superseded.jsonl; no checkpoint is touched.
         """
-        from .runner import BackgroundRun, run_loop
-        if on_failure not in ("raise", "restore"):
-            raise UsageError(f"on_failure={on_failure!r}: use 'raise' or 'restore'")
-        if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
-            raise UsageError(f"max_staleness={max_staleness!r}: a whole number of steps, 0 or more (0: synchronous)")
-        if async_rollout and self.cfg.rollout.colocate:
-            raise UsageError("async_rollout overlaps generation with the update, but rollout.colocate runs the "
-                             "rollout engine on the trainers' devices (under Ray, in the policy's processes), "
-                             "asleep during updates: turn one of them off")
+        from .runner import BackgroundRun, check_run_args, run_loop
+        check_run_args(self.cfg, async_rollout, max_staleness, on_failure)
         if self.background is not None:
             self.background.raise_error()  # a background run's failure surfaces at the next run()
         steps = self.cfg.run.steps if steps is None else steps
@@ -674,12 +603,7 @@ class Session(WhatIf):
                 f"cannot restart '{trainers[0]}': no checkpoint in {self.rundir.checkpoints} to restore its "
                 "weights from; save regularly (run.checkpoint_every) or start a new session")
         with self._phase("restart", changes_state=True, repairs=bool(trainers)):
-            rebuilt = self.workers.restart(*roles)
-            for role in rebuilt:  # built from the session's first config: bring them onto the current one
-                self.groups[role].call("set_config", self.cfg)
-            if "policy" in rebuilt:
-                for loss_name, fn in self._custom_losses.items():
-                    self.groups["policy"].call("register_policy_loss", loss_name, fn)
+            rebuilt = self.workers.restart(*roles)  # on the current config, with the losses shipped from cells
             if trainers:
                 checkpoint.restore(self, checkpoint.resolve(self.run_dir))
             elif "rollout" in rebuilt:
@@ -710,7 +634,18 @@ class Session(WhatIf):
     @classmethod
     def _load_new(cls, path: str | Path, run_dir: str | Path | None = None, overrides=(), *,
                   take_over: bool = False) -> Session:
-        return checkpoint.load(path, run_dir, overrides, take_over=take_over)
+        """A new session from a checkpoint folder or a run directory (its latest checkpoint). It writes into
+        `run_dir` when given, else into the run directory the checkpoint belongs to (refused while another
+        live session writes that run, unless `take_over`)."""
+        path = checkpoint.resolve(Path(path))
+        cfg = Config.load(path / "config.yaml", overrides)
+        sess = cls(cfg, run_dir=Path(run_dir) if run_dir else path.parent.parent, take_over=take_over)
+        try:
+            checkpoint.restore(sess, path)
+        except BaseException:
+            sess.close()
+            raise
+        return sess
 
     load = _hybridmethod(_load_new, _load_into)
 
@@ -740,9 +675,9 @@ class Session(WhatIf):
             self.background.stop()
         if hasattr(self, "metrics"):
             self.metrics.close()
-        for key in getattr(self, "_snapshots", ()):  # files of snapshots on disk (memory goes with the workers)
-            shutil.rmtree(self.run_dir / "snapshots" / key, ignore_errors=True)
         if hasattr(self, "workers"):
+            for key in self.workers.held_snapshots:  # files of snapshots on disk (memory goes with the workers)
+                shutil.rmtree(self.run_dir / "snapshots" / key, ignore_errors=True)
             self.workers.close()
         cluster.disconnect(self.cfg)
         if hasattr(self, "lease"):
@@ -792,36 +727,10 @@ class Session(WhatIf):
                 "</table></div>")
 
 
-def _finish_all(work: Callable, *started: tuple | None) -> tuple:
-    """`work()`, then each started (group, pending) call collected once: (work's result, [each call's results,
-    None for a None]). After a failure the other calls are still waited for (no worker is left busy with a
-    call nobody collects) — but not those of a group that already failed (they queue behind its hung or broken
-    call), and none after an interrupt. The first failure is raised after that."""
-    failure, result, failed = None, None, set()
-    try:
-        result = work()
-    except BaseException as e:
-        failure = e
-    collected = []
-    for s in started:
-        out = None
-        if s is not None and not (failure is not None and (not isinstance(failure, Exception) or id(s[0]) in failed)):
-            try:
-                out = s[0].collect(s[1])
-            except BaseException as e:
-                failed.add(id(s[0]))
-                failure = failure or e
-        collected.append(out)
-    if failure is not None:
-        raise failure
-    return result, collected
 
-
-def _minibatch_major(batch: Batch, n_mini: int, world: int) -> Batch:
-    """Reorder rows so that splitting by rank, then each rank splitting into `n_mini` mini-batches, puts
-    the rows of global mini-batch j on the ranks' j-th mini-batches: any number of ranks then takes
-    the same optimizer steps on the same data."""
-    if world == 1:
-        return batch
-    parts = [mini.chunk(world) for mini in batch.chunk(n_mini)]
-    return Batch.cat([parts[j][r] for r in range(world) for j in range(n_mini)])
+@dataclass
+class StartedRollout:
+    """A rollout submitted to the engines, not collected yet (`Session.start_rollout`)."""
+    batch: Batch      # the encoded prompts, rollout.n rows each
+    pending: object   # the engines' calls (cluster.base.Pending)
+    t0: float         # when it was submitted: the rollout's seconds count from here

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import RLBenchError
+from .roles.rollout.base import RolloutWorker
+from .roles.snapshots import SnapshotHolder
 
 if TYPE_CHECKING:
     from .config import Config
@@ -61,13 +63,13 @@ class Snapshot:
         if self._session is None:
             return
         sess, self._session = self._session, None
-        sess._snapshots.discard(self.key)
+        sess.workers.held_snapshots.discard(self.key)
         if sess.state == "closed":
             return
         for role in HOLDERS:
             if role in sess.groups:
                 try:
-                    sess.groups[role].call("release", self.key)
+                    sess.groups[role].call(SnapshotHolder.release, self.key)
                 except Exception:  # a dead worker held nothing any more
                     pass
         if self.path is not None:
@@ -90,12 +92,12 @@ def take(sess: Session, to_disk: bool = False) -> Snapshot:
     size = 0
     for role in HOLDERS:
         if role in sess.groups:
-            size += sum(sess.groups[role].call("hold", key, None if path is None else str(path)))
+            size += sum(sess.groups[role].call(SnapshotHolder.hold, key, None if path is None else str(path)))
     snap = Snapshot(key=key, controller=sess.controller_state(),
-                    rollout_states=sess.groups["rollout"].call("get_state"), cfg=sess.cfg,
-                    reward_fn=sess._reward_fn, holders={r: _pids(sess, r) for r in HOLDERS if r in sess.groups},
+                    rollout_states=sess.groups["rollout"].call(RolloutWorker.get_state), cfg=sess.cfg,
+                    reward_fn=sess.reward_fn, holders={r: _pids(sess, r) for r in HOLDERS if r in sess.groups},
                     bytes=size, path=path, _session=sess)
-    sess._snapshots.add(key)
+    sess.workers.held_snapshots.add(key)
     return snap
 
 
@@ -110,13 +112,12 @@ def restore(sess: Session, snap: Snapshot, history: bool = True) -> None:
                                 "taken, and held their part of it in memory; take snapshots with "
                                 "sess.snapshot(to_disk=True) to survive a restart, or load a checkpoint")
     if snap.cfg != sess.cfg:
-        sess._use_config(snap.cfg)
-    if snap.reward_fn is not sess._reward_fn:
-        sess._use_reward(snap.reward_fn)
+        sess.apply_config(snap.cfg)
+    if snap.reward_fn is not sess.reward_fn:
+        sess.workers.set_reward(snap.reward_fn)
     sess.guard.weights_changed()  # a branch's return comes here outside a restore phase
     for role in snap.holders:  # a restarted worker finds an on-disk snapshot by its folder
-        sess.groups[role].call("return_to", snap.key, None if snap.path is None else str(snap.path))
-    sess.groups["rollout"].call_each("set_state", [(s,) for s in snap.rollout_states])
+        sess.groups[role].call(SnapshotHolder.return_to, snap.key, None if snap.path is None else str(snap.path))
+    sess.groups["rollout"].call_each(RolloutWorker.set_state, [(s,) for s in snap.rollout_states])
     sess.load_controller_state(snap.controller, metrics=history)
     sess.workers.sync(version=sess.step_count)
-    sess._rollout_stale = False

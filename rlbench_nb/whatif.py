@@ -47,8 +47,7 @@ class WhatIf:
         shippable(fn, "policy loss", "policy workers")
         with self._phase("policy_loss"):
             POLICY_LOSSES[fn.__name__] = fn
-            self._custom_losses[fn.__name__] = fn
-            self.groups["policy"].call("register_policy_loss", fn.__name__, fn)
+            self.workers.register_policy_loss(fn.__name__, fn)
         return fn
 
     def configure(self, *overrides: str) -> Config:
@@ -57,15 +56,16 @@ class WhatIf:
         from .branches import variant
         cfg = variant(self.cfg, overrides)
         with self._phase("configure"):
-            self._use_config(cfg)
+            self.apply_config(cfg)
             self.rundir.write_config(cfg)
         return cfg
 
-    def _use_config(self, cfg: Config) -> None:
-        """Every worker and the controller's own parts onto `cfg` (shapes and roles unchanged: branches.variant)."""
-        old, self.cfg, self.workers.cfg = self.cfg, cfg, cfg
-        for g in self.groups.values():
-            g.call("set_config", cfg)
+    def apply_config(self, cfg: Config) -> None:
+        """Every worker and the controller's own parts onto `cfg`, a config already checked against this one
+        (shapes and roles unchanged: branches.variant). `configure` is the door from a cell; branches and
+        restores come here."""
+        old, self.cfg = self.cfg, cfg
+        self.workers.set_config(cfg)
         self.sampler.batch_size = cfg.data.batch_size
         kl = ("kl_coef", "kl_ctrl", "target_kl", "kl_horizon")
         if any(getattr(old.algo, k) != getattr(cfg.algo, k) for k in kl):

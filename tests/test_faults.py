@@ -114,6 +114,7 @@ def half_written(self, path):  # the second save: half of the weights file, then
     signal_file.write_text("mid-save")
     time.sleep(120)
 
+half_written.__name__ = "save"  # the controller names worker methods by reference: the wire carries __name__
 PolicyWorker.save = half_written
 sess.save("second")
 """
@@ -190,7 +191,7 @@ def test_a_checkpoint_with_a_malicious_pickle_is_refused(small_cfg, tmp_path, vi
     with pytest.raises(rl.CheckpointError, match=victim.replace(".", r"\.") + " has .* bytes"):
         rl.Session.load(folder)  # the manifest catches the change first
     # an attacker who rewrites the manifest too still cannot run code: tensors-only loading refuses it
-    from rlbench_nb.checkpoint import _manifest
+    from rlbench_nb.checkpoint_files import _manifest
     (folder / "MANIFEST.json").write_text(json.dumps(_manifest(folder)))
     with pytest.raises(Exception, match=r"refusing to load .*" + victim.split("/")[-1].replace(".", r"\.")):
         rl.Session.load(tmp_path / "run")

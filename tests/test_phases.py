@@ -220,9 +220,9 @@ def test_a_second_ctrl_c_abandons_the_update_and_the_session_asks_for_resync(sma
 
 
 def test_calls_started_together_are_each_collected_once_and_the_first_failure_wins():
-    """session._finish_all, with stand-in groups: after a failure the other groups' calls are still waited for
+    """cluster.base.finish_all, with stand-in groups: after a failure the other groups' calls are still waited for
     (no worker left busy), but not a failed group's queued calls, and nothing after an interrupt."""
-    from rlbench_nb.session import _finish_all
+    from rlbench_nb.cluster.base import finish_all as _finish_all
 
     class Group:
         def __init__(self, fails=None):

@@ -21,8 +21,14 @@ if os.path.exists(os.path.expanduser("~/.ray/auth_token")) and "ray" not in sys.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
+def in_process(cfg) -> bool:
+    """The local backend: every worker is a plain object in this process (a reward function runs in its
+    isolated processes there, reward.isolate; vLLM is imported here)."""
+    return cfg.cluster.backend == "local"
+
+
 def world_size_for(cfg, role: str) -> int:
-    if cfg.cluster.backend == "local":
+    if in_process(cfg):
         return 1
     if role in TRAINER_ROLES or host_role(cfg, role):
         return cfg.cluster.train_ranks

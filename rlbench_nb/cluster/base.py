@@ -8,10 +8,28 @@ phase timeline) and the rank's memory snapshot.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..data.batch import Batch
+
+# A worker method, by reference (`PolicyWorker.update`: go-to-definition follows a phase into the worker)
+# or by name; the wire carries the name.
+Method = str | Callable
+
+
+def method_name(method: Method) -> str:
+    return method if isinstance(method, str) else method.__name__
+
+
+def by_reference(dispatch):
+    """A group's dispatch method taking its worker method as a `Method`: the name goes on."""
+    @functools.wraps(dispatch)
+    def wrapper(self, method: Method, *args, **kwargs):
+        return dispatch(self, method_name(method), *args, **kwargs)
+    return wrapper
 
 
 @dataclass
@@ -43,14 +61,39 @@ class WorkerGroup(Protocol):
     info: dict[int, dict]     # rank -> pid, node, device
 
     def ready(self) -> WorkerGroup: ...  # wait until every rank's worker is built
-    def call(self, method: str, *args, **kwargs) -> list: ...
-    def submit(self, method: str, *args, **kwargs) -> Pending: ...
-    def call_each(self, method: str, per_rank_args: list[tuple]) -> list: ...
-    def call_rank0(self, method: str, *args, **kwargs) -> Any: ...
-    def call_shards(self, method: str, batch: Batch, *args, **kwargs) -> list: ...
-    def submit_shards(self, method: str, batch: Batch, *args, **kwargs) -> Pending: ...
-    def call_split(self, method: str, batch: Batch, *args, **kwargs) -> Batch: ...
-    def submit_stored(self, method: str, *args, to: WorkerGroup | None = None, **kwargs) -> Pending: ...
+    def call(self, method: Method, *args, **kwargs) -> list: ...
+    def submit(self, method: Method, *args, **kwargs) -> Pending: ...
+    def call_each(self, method: Method, per_rank_args: list[tuple]) -> list: ...
+    def call_rank0(self, method: Method, *args, **kwargs) -> Any: ...
+    def call_shards(self, method: Method, batch: Batch, *args, **kwargs) -> list: ...
+    def submit_shards(self, method: Method, batch: Batch, *args, **kwargs) -> Pending: ...
+    def call_split(self, method: Method, batch: Batch, *args, **kwargs) -> Batch: ...
+    def submit_stored(self, method: Method, *args, to: WorkerGroup | None = None, **kwargs) -> Pending: ...
     def collect(self, pending: Pending) -> list: ...
     def dead_ranks(self) -> list[int]: ...
     def close(self) -> None: ...
+
+
+def finish_all(work, *started: tuple | None) -> tuple:
+    """`work()`, then each started (group, pending) call collected once: (work's result, [each call's results,
+    None for a None]). After a failure the other calls are still waited for (no worker is left busy with a
+    call nobody collects) — but not those of a group that already failed (they queue behind its hung or broken
+    call), and none after an interrupt. The first failure is raised after that."""
+    failure, result, failed = None, None, set()
+    try:
+        result = work()
+    except BaseException as e:
+        failure = e
+    collected = []
+    for s in started:
+        out = None
+        if s is not None and not (failure is not None and (not isinstance(failure, Exception) or id(s[0]) in failed)):
+            try:
+                out = s[0].collect(s[1])
+            except BaseException as e:
+                failed.add(id(s[0]))
+                failure = failure or e
+        collected.append(out)
+    if failure is not None:
+        raise failure
+    return result, collected

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..data.batch import Batch
 from ..metrics.memory import memory_snapshot
-from .base import CallRecord, Pending
+from .base import CallRecord, Method, Pending, by_reference
 from .errors import WorkerError
 
 
@@ -42,41 +42,49 @@ class LocalWorkerGroup:
             del self.records[:-1000]  # bounded: the timeline shows recent steps only
             self.memory[rank] = memory_snapshot()  # like the Ray backend: every call reports memory
 
-    def call(self, method: str, *args, **kwargs) -> list:
+    @by_reference
+    def call(self, method: Method, *args, **kwargs) -> list:
         """Call `method` on every rank with the same arguments; a list of results by rank."""
         return [self._run(r, method, getattr(w, method), *args, **kwargs) for r, w in enumerate(self.workers)]
 
-    def submit(self, method: str, *args, **kwargs) -> Pending:
+    @by_reference
+    def submit(self, method: Method, *args, **kwargs) -> Pending:
         """In-process: runs now; `collect(pending)` returns the results."""
         return Pending(method, self.call(method, *args, **kwargs), time.perf_counter())
 
-    def call_each(self, method: str, per_rank_args: list[tuple]) -> list:
+    @by_reference
+    def call_each(self, method: Method, per_rank_args: list[tuple]) -> list:
         """Rank r gets `per_rank_args[r]`."""
         return [self._run(r, method, getattr(w, method), *a)
                 for r, (w, a) in enumerate(zip(self.workers, per_rank_args))]
 
-    def submit_stored(self, method: str, *args, to=None, **kwargs) -> Pending:
+    @by_reference
+    def submit_stored(self, method: Method, *args, to=None, **kwargs) -> Pending:
         """In-process: runs now; the results are `pending.stored`, and `collect(pending)` gives them too."""
         results = self.call(method, *args, **kwargs)
         return Pending(method, results, time.perf_counter(), stored=results)
 
-    def call_rank0(self, method: str, *args, **kwargs) -> Any:
+    @by_reference
+    def call_rank0(self, method: Method, *args, **kwargs) -> Any:
         return self._run(0, method, getattr(self.workers[0], method), *args, **kwargs)
 
-    def call_shards(self, method: str, batch: Batch, *args, **kwargs) -> list:
+    @by_reference
+    def call_shards(self, method: Method, batch: Batch, *args, **kwargs) -> list:
         """Split `batch` by data-parallel rank and call each rank on its part; results by rank."""
         parts = batch.chunk(self.world_size)
         return [self._run(r, method, getattr(w, method), p, *args, **kwargs)
                 for r, (w, p) in enumerate(zip(self.workers, parts))]
 
-    def submit_shards(self, method: str, batch: Batch, *args, **kwargs) -> Pending:
+    @by_reference
+    def submit_shards(self, method: Method, batch: Batch, *args, **kwargs) -> Pending:
         """In-process there is nothing to overlap with: runs now; `collect` returns the results."""
         return Pending(method, self.call_shards(method, batch, *args, **kwargs), time.perf_counter())
 
     def collect(self, pending: Pending) -> list:
         return pending.handles
 
-    def call_split(self, method: str, batch: Batch, *args, **kwargs) -> Batch:
+    @by_reference
+    def call_split(self, method: Method, batch: Batch, *args, **kwargs) -> Batch:
         """`call_shards`, with the ranks' result batches concatenated back in order."""
         return Batch.cat(self.call_shards(method, batch, *args, **kwargs))
 

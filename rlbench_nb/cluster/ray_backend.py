@@ -16,7 +16,7 @@ from typing import Any
 
 from ..data.batch import Batch
 from ..data.packed import PackedTensors
-from .base import CallRecord, Pending
+from .base import CallRecord, Method, Pending, by_reference
 from .errors import OOM_KNOBS, ClusterError, WorkerDiedError, WorkerError, is_out_of_memory
 from .pools import placement
 from .transport import SharedMemoryWriter, SharedTensors, pack
@@ -391,7 +391,8 @@ class RayWorkerGroup:
         refs = [a.call.remote(self.role, method, *args, **kwargs) for a, args in zip(self.actors, per_rank_args)]
         return Pending(method, refs, time.perf_counter())
 
-    def submit_shards(self, method: str, batch: Batch, *args, **kwargs) -> Pending:
+    @by_reference
+    def submit_shards(self, method: Method, batch: Batch, *args, **kwargs) -> Pending:
         """Start `call_shards` without waiting; `collect(pending)` gives the results. Lets roles overlap."""
         return self._submit(method, [(p, *args) for p in batch.chunk(self.world_size)], kwargs)
 
@@ -405,18 +406,21 @@ class RayWorkerGroup:
         return [res for res, _, _ in out]
 
     # ---- dispatch (same surface as LocalWorkerGroup) ---------------------------------------------
-    def call(self, method: str, *args, **kwargs) -> list:
+    @by_reference
+    def call(self, method: Method, *args, **kwargs) -> list:
         """The same arguments to every rank; each argument is stored once in the object store, not per rank."""
         return self.collect(self.submit(method, *args, **kwargs))
 
-    def submit(self, method: str, *args, **kwargs) -> Pending:
+    @by_reference
+    def submit(self, method: Method, *args, **kwargs) -> Pending:
         """`call` without waiting: `collect(pending)` gives the results."""
         import ray
         if self.world_size > 1:  # top-level ObjectRef arguments are resolved by Ray
             args = tuple(a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args)
         return self._submit(method, [args] * self.world_size, kwargs)
 
-    def submit_stored(self, method: str, *args, to: RayWorkerGroup | None = None, **kwargs) -> Pending:
+    @by_reference
+    def submit_stored(self, method: Method, *args, to: RayWorkerGroup | None = None, **kwargs) -> Pending:
         """Start `method` on every rank, its results left where they were made; `pending.stored` are
         references to pass to another role's call at once (Ray starts that call when the data is ready),
         `collect(pending)` waits for the ranks' status. Weights go actor to actor, with no wait in between;
@@ -434,22 +438,26 @@ class RayWorkerGroup:
                  for a in self.actors]
         return Pending(method, [status for _, status in calls], time.perf_counter(), [result for result, _ in calls])
 
-    def call_each(self, method: str, per_rank_args: list[tuple]) -> list:
+    @by_reference
+    def call_each(self, method: Method, per_rank_args: list[tuple]) -> list:
         """Rank r gets `per_rank_args[r]`."""
         return self._calls(method, per_rank_args, {})
 
-    def call_rank0(self, method: str, *args, **kwargs) -> Any:
+    @by_reference
+    def call_rank0(self, method: Method, *args, **kwargs) -> Any:
         start = time.perf_counter()
         res, mem, work_s = self._get([self.actors[0].call.remote(self.role, method, *args, **kwargs)], method)[0]
         self.memory[0] = mem
         self.records.append(CallRecord(self.role, 0, method, start, time.perf_counter(), work_s))
         return res
 
-    def call_shards(self, method: str, batch: Batch, *args, **kwargs) -> list:
+    @by_reference
+    def call_shards(self, method: Method, batch: Batch, *args, **kwargs) -> list:
         parts = batch.chunk(self.world_size)
         return self._calls(method, [(p, *args) for p in parts], kwargs)
 
-    def call_split(self, method: str, batch: Batch, *args, **kwargs) -> Batch:
+    @by_reference
+    def call_split(self, method: Method, batch: Batch, *args, **kwargs) -> Batch:
         return Batch.cat(self.call_shards(method, batch, *args, **kwargs))
 
     def dead_ranks(self, timeout: float = 10.0) -> list[int]:

@@ -1,5 +1,7 @@
 """The session's role table: which roles run and with what, their worker groups (built, found again
-after a controller restart, rebuilt after a failure, closed), and the policy -> rollout weight push.
+after a controller restart, rebuilt after a failure, closed), the policy -> rollout weight push, and what
+a rebuilt worker must be given again: the current config, the reward function, losses shipped from cells,
+a push that failed. The one owner of those: a restart or restore re-applies them from here.
 
     workers = Workers(cfg, specs, name="arith-grpo")
     workers.groups["policy"].call_split("compute_logprobs", batch)
@@ -11,7 +13,7 @@ import time
 from typing import Any
 
 from ..errors import UsageError
-from . import check_placement, host_role, make_group, reattach_group
+from . import check_placement, host_role, in_process, make_group, reattach_group
 from .base import WorkerGroup
 from .errors import WeightSyncError
 
@@ -20,10 +22,15 @@ RoleSpecs = dict[str, tuple[type, tuple]]
 
 
 class Workers:
-    def __init__(self, cfg, specs: RoleSpecs, name: str, *, reattach: bool = False):
-        """`specs` in build order (a host role before the roles living in its processes). With `reattach`,
-        find the live actors of a detached run named `name` instead of starting new ones."""
+    def __init__(self, cfg, specs: RoleSpecs, name: str, *, reward_fn=None, reattach: bool = False):
+        """`specs` in build order (a host role before the roles living in its processes); `reward_fn`, the
+        function the reward role was built with. With `reattach`, find the live actors of a detached run named
+        `name` instead of starting new ones."""
         self.cfg, self.specs, self.name = cfg, dict(specs), name
+        self.reward_fn = reward_fn
+        self.custom_losses: dict = {}      # name -> policy loss shipped from a cell (re-shipped after a restart)
+        self.push_failed = False           # the last weight push failed after its update: push before generating
+        self.held_snapshots: set[str] = set()  # keys of snapshots the workers hold (snapshots.py)
         self.groups: dict[str, WorkerGroup] = {}
         if not reattach:
             check_placement(cfg, list(self.specs))  # a layout the cluster cannot hold: one line, nothing started
@@ -55,6 +62,32 @@ class Workers:
         cls, _ = self.specs[role]
         self.specs[role] = (cls, args)
 
+    def record_run(self, run_dir: str) -> None:
+        """Under Ray, the policy actor remembers its run directory: what `Session.attach(name)` looks up."""
+        if not in_process(self.cfg):
+            self.groups["policy"].set_meta({"run_dir": run_dir})
+
+    def set_config(self, cfg) -> None:
+        """Every worker onto `cfg` (shapes and roles unchanged: branches.variant checks that)."""
+        self.cfg = cfg
+        for g in self.groups.values():
+            g.call("set_config", cfg)
+
+    def set_reward(self, fn) -> None:
+        """The reward function of every reward worker, and of any rebuilt one."""
+        self.reward_fn = fn
+        self.replace_args("reward", fn, self.cfg.reward, in_process(self.cfg))
+        self.groups["reward"].call("set_fn", fn)
+
+    def register_policy_loss(self, name: str, fn) -> None:
+        self.custom_losses[name] = fn
+        self.groups["policy"].call("register_policy_loss", name, fn)
+
+    def pushes_behind_update(self) -> bool:
+        """Under Ray the weight push is queued right behind the update in the policy's processes, with no
+        round trip in between; not when a sleeping engine must wait for the update to end to wake up."""
+        return not in_process(self.cfg) and not self.rollout_sleeps()
+
     def restart(self, *roles: str) -> tuple[str, ...]:
         """Close and rebuild these roles' workers (a role living in another's processes goes with them;
         hosts are rebuilt before their guests). Returns the roles rebuilt, in order."""
@@ -66,7 +99,21 @@ class Workers:
             self.groups[role].close()
             cls, args = self.specs[role]
             self.groups[role] = make_group(self.cfg, role, cls, *args, name=self.name, host=self.host_of(role))
+        for role in roles:  # built from the session's first config: bring them onto the current one
+            self.groups[role].call("set_config", self.cfg)
+        if "policy" in roles:
+            for loss_name, fn in self.custom_losses.items():
+                self.groups["policy"].call("register_policy_loss", loss_name, fn)
         return roles
+
+    def trainers_past(self, trainer_steps: dict[str, int]) -> tuple[str, int] | None:
+        """(role, its optimizer's step count) of the first trainer whose count is not `trainer_steps`' (the
+        last committed step's), or None: all where that step left them."""
+        for role, expected in trainer_steps.items():
+            held = self.groups[role].call("adam_steps")[0] if role in self.groups else expected
+            if held != expected:
+                return role, held
+        return None
 
     def close(self) -> None:
         for g in list(self.groups.values())[::-1]:  # guests before their hosts
@@ -92,7 +139,9 @@ class Workers:
 
     def finish_sync(self, started: tuple, since: float | None = None) -> dict:
         """Wait for the push; `sync/s` counts from its start, or from `since`. An engine that does not hold
-        what was sent is a WeightSyncError naming rank and tensor."""
+        what was sent is a WeightSyncError naming rank and tensor. A push that fails is remembered
+        (`push_failed`): the next rollout pushes again first (`catch_up`)."""
+        self.push_failed = True
         t0, pending, push, version = started
         self.groups["policy"].collect(pending)  # first: when the policy failed, its own error names it
         res = self.groups["rollout"].collect(push)
@@ -106,10 +155,21 @@ class Workers:
         out["sync/verified"] = float(all("mismatch" in r for r in res))
         for key in res[0].keys() - {"bytes", "mismatch"}:  # an engine's own timings (vLLM: write_s, reload_s)
             out[f"sync/{key}"] = max(r[key] for r in res)
+        self.push_failed = False
         return out
 
     def sync(self, version: int) -> dict:
-        return self.finish_sync(self.start_sync(version))
+        try:
+            started = self.start_sync(version)
+        except BaseException:
+            self.push_failed = True
+            raise
+        return self.finish_sync(started)
+
+    def catch_up(self, version: int) -> None:
+        """Before generating: push the weights again when the last push failed after its update."""
+        if self.push_failed:
+            self.sync(version)
 
     # ---- looking at it ----------------------------------------------------------------------------
     def table(self) -> list[tuple]:

@@ -16,6 +16,23 @@ Shape suffixes, one letter per axis, used the same way across the package (`algo
     R  response tokens, right-padded (the axis of log-probs, advantages, values, masks)
     T  whole-sequence tokens, P + R
     V  vocabulary
+
+`batch.info` holds batch-level facts, not rows; every key, who writes it and who reads it
+(tests/data/test_batch.py checks that the code uses no other):
+
+    row_fields      prompts.encode, rundir.load_rollouts   the dataset row's own fields riding along (answer, ...):
+                                                           reward workers pass them on, tables show them
+    tag             prompts.encode                         the draw's name (`s<step>`): the engine's rewind finds it
+    source          rundir.load_rollouts                   the rollouts file a batch was read from
+    step            Session.rollout                        the step that generated the batch
+    metrics         each phase                             the step's metrics so far; update writes them out
+    values_epoch    Session.score                          the weights the critic's values came from (guard.epoch):
+                                                           prepare reuses them only while they are the same
+    logprobs_epoch  Session.prepare                        the same for old log-probs left to the update's forward
+    kl_current      Session.prepare                        the measured KL the KL controller moves by, in update
+    off_policy      runner (async steps)                   generated one step or more earlier: the engine's log-probs
+                                                           are the old ones
+    wall_start      runner (async steps)                   when the step began, for time/step_s and idle shares
 """
 from __future__ import annotations
 
@@ -40,7 +57,7 @@ class Batch:
                  info: dict[str, Any] | None = None):
         self.tensors: dict[str, torch.Tensor] = dict(tensors or {})
         self.meta: dict[str, list] = {k: list(v) for k, v in (meta or {}).items()}
-        self.info: dict[str, Any] = dict(info or {})  # batch-level facts: step, phase timings
+        self.info: dict[str, Any] = dict(info or {})  # batch-level facts (the table above)
         self._check()
 
     # ---- pickling (how a batch travels to and from Ray actors) -----------------------------------
@@ -213,3 +230,13 @@ def trained_tokens(batch: Batch) -> torch.Tensor:
     every response token (`response_mask_BR`, which also stays the attention mask and marks where a sequence
     ends)."""
     return batch["loss_mask_BR"] if "loss_mask_BR" in batch else batch["response_mask_BR"]
+
+
+def minibatch_major(batch: Batch, n_mini: int, world: int) -> Batch:
+    """Reorder rows so that splitting by rank, then each rank splitting into `n_mini` mini-batches, puts
+    the rows of global mini-batch j on the ranks' j-th mini-batches: any number of ranks then takes
+    the same optimizer steps on the same data."""
+    if world == 1:
+        return batch
+    parts = [mini.chunk(world) for mini in batch.chunk(n_mini)]
+    return Batch.cat([parts[j][r] for r in range(world) for j in range(n_mini)])

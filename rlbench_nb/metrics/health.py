@@ -36,3 +36,18 @@ class SkipWatch:
                 f"{what}. The weights are those of the last good update and every metric row is written; look at "
                 "reward/* and advantage/* in metrics.jsonl, lower train.lr, or check the reward function's scale, "
                 "then resume from the latest checkpoint")
+
+
+def mismatch_alarm(row: dict, limit: float | None, step: int) -> None:
+    """`mismatch/alarm` in `row`: the engine's log-probs drifted from the trainer's past `limit`
+    (algo.mismatch_alarm: a stale or half-loaded engine, a dtype or kernel difference); said once per step,
+    and shown in the dashboard."""
+    seen = row.get("mismatch/logp_abs_mean")
+    if limit is None or seen is None:
+        return
+    row["mismatch/alarm"] = float(seen > limit)
+    if seen > limit:
+        log.warning("step %d: the rollout engine's log-probs differ from the trainer's by %.4f per token on "
+                    "average (max %.4f; alarm above algo.mismatch_alarm=%g): check the weight sync and the "
+                    "engine's dtype, or correct with algo.rollout_is=tis", step, seen,
+                    row.get("mismatch/logp_abs_max", float("nan")), limit)

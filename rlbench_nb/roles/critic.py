@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..algos import agg_loss, value_loss
-from ..checkpoint import load_tensors
+from ..checkpoint_files import load_tensors
 from ..config import Config
 from ..data.batch import Batch
 from ..metrics.memory import memory_snapshot

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..algos import POLICY_LOSSES, agg_loss, kl_penalty, policy_loss
-from ..checkpoint import load_tensors
+from ..checkpoint_files import load_tensors
 from ..config import Config
 from ..data.batch import Batch, trained_tokens
 from ..metrics.memory import memory_snapshot

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointError
+from ..checkpoint_files import CheckpointError
 from . import distributed as dist_util
 
 OPTIMIZER = "optimizer"

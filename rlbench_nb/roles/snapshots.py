@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_tensors
+from ..checkpoint_files import load_tensors
 from .common import rng_state, set_rng_state
 
 

@@ -71,3 +71,25 @@ def test_pickled_batches_carry_their_own_bytes_and_come_back_writable():
 def test_only_keeps_the_named_fields_and_the_info():
     b = make(3).only("x_B", "prompt")
     assert b.keys() == ["x_B", "prompt"] and b.info == {"step": 3} and len(b) == 3
+
+
+def test_every_batch_info_key_the_code_uses_is_documented():
+    """data/batch.py's docstring lists each `batch.info` key with its writer and reader: a key added without
+    a line there fails here (found by the ways the package writes and reads them)."""
+    import re
+
+    import rlbench_nb.data.batch as batch_module
+    from tests.conftest import REPO
+    pattern = re.compile(r'info(?:\.get\(|\[|\.pop\()"([a-z_]+)"|info\.update\(([a-z_]+)=|k != "(kl_current)"')
+    used = set()
+    for path in (REPO / "rlbench_nb").rglob("*.py"):
+        for m in pattern.finditer(path.read_text()):
+            used.add(next(g for g in m.groups() if g))
+            if m.group(2):  # info.update(a=..., b=...): every keyword
+                line = path.read_text()[m.start():].split("\n", 1)[0]
+                used.update(re.findall(r"([a-z_]+)=", line))
+    # keys a worker group's `info` (pid, node, device: cluster/) has are not a batch's
+    used -= {"pid", "node", "node_id", "device", "pool", "run_id"}
+    documented = set(re.findall(r"^    ([a-z_]+)\s{2,}", batch_module.__doc__, re.M))
+    assert used, "the search found no key: the pattern no longer matches how the code writes them"
+    assert used <= documented, f"batch.info keys used but not in data/batch.py's docstring: {sorted(used - documented)}"

@@ -77,9 +77,18 @@ def test_dashboard_draws_sections_with_legends_and_step_axes(small_cfg):
     assert {t.name for t in dash.timeline.data} >= {"generate", "update"}  # phases named in the legend
     assert dash.facts()["step"] == 3 and ">ready</b>" in dash.header.value and "reward" in dash.header.value
     dash.smooth(0.9)  # a faint raw line under each smoothed noisy curve
-    raw = {t.name: t for t in outcome.data if t.opacity == 0.25}
-    smoothed = {t.name: t for t in outcome.data if t.opacity is None and t.name in raw}
-    assert list(smoothed["mean"].y) == pytest.approx(ema(list(raw["mean"].y), 0.9), rel=1e-12)
+    raw = {(t.name, t.xaxis): t for t in outcome.data if t.opacity == 0.25}
+    checked = set()
+    for trace in [t for t in outcome.data if t.opacity is None and (t.name, t.xaxis) in raw]:
+        faint = raw[(trace.name, trace.xaxis)]
+        key = next(k for k in sess.history[-1]  # the metric whose steps the faint raw line shows
+                   if [sess.history[step - 1].get(k) for step in faint.x] == list(faint.y))
+        # smoothed over every step, then thinned out: the EMA of all steps read at the steps kept (not the EMA
+        # of the kept points)
+        every = ema([row[key] for row in sess.history], 0.9)
+        assert list(trace.y) == pytest.approx([every[step - 1] for step in trace.x], rel=1e-12)
+        checked.add(key)
+    assert {"reward/mean", "response_len/mean"} <= checked
     with pytest.raises(ValueError, match="smoothing"):
         dash.smooth(1.0)
     assert outcome.layout.xaxis.dtick == 1  # a short run: one tick per step

@@ -38,6 +38,19 @@ class RolloutWorker:
     role = "rollout"
     weight_version = 0
 
+    # what the controller calls, declared here for every engine (the controller names them by reference:
+    # `group.submit_shards(RolloutWorker.generate, ...)`)
+    def generate(self, batch, params=None):
+        """Sample one response per row (rows are already repeated n times per prompt)."""
+        raise NotImplementedError
+
+    def generate_episodes(self, rows, env_cls, params=None):
+        """One multi-turn episode per row with a fresh `env_cls()` (envs/, episodes.py)."""
+        raise NotImplementedError
+
+    def set_weights(self, state, version: int) -> dict:
+        raise NotImplementedError
+
     def sleep(self) -> None:
         pass
 
