@@ -29,16 +29,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# the file rules (checkpoint_files.py), also what callers of this module use by name
-from .checkpoint_files import (  # noqa: F401
-    CheckpointError,
-    checkpoint_path,
-    load_tensors,
-    read_json,
-    resolve,
-    verify,
-    write_atomically,
-)
+# the file rules (checkpoint_files.py); CheckpointError and resolve are also what callers use as checkpoint.X
+from .checkpoint_files import CheckpointError, checkpoint_path, load_tensors, read_json, resolve, write_atomically
 from .roles import CriticWorker, PolicyWorker
 from .roles.rollout.base import RolloutWorker
 

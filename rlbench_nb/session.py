@@ -97,10 +97,10 @@ class Session(WhatIf):
             from .roles.rollout.vllm_engine import import_vllm
             import_vllm()  # a missing install is one clear line before any worker starts
         tok = self.prompts.tokenizer
-        specs = role_specs(cfg, str(self.task.model_dir), tok.eos_token_id, tok.pad_token_id, self.task_reward_fn,
+        specs = role_specs(cfg, str(self.task.model_dir), tok.eos_token_id, tok.pad_token_id, self._inputs.reward_fn,
                            str(self.task.reward_model_dir), in_process=cluster.in_process(cfg))
         try:
-            self.workers = Workers(cfg, specs, self.name, reward_fn=self.task_reward_fn, reattach=_attach)
+            self.workers = Workers(cfg, specs, self.name, reward_fn=self._inputs.reward_fn, reattach=_attach)
         except BaseException:  # a session that never started holds nothing: its run directory, its tracker runs
             for tracker in trackers:
                 tracker.close()
@@ -130,12 +130,11 @@ class Session(WhatIf):
 
     def _load_inputs(self, run_dir: str | Path | None = None) -> None:
         """inputs.py: all checked before the run directory is claimed or any worker starts."""
-        inputs = load_inputs(self.cfg, run_dir)
+        self._inputs = inputs = load_inputs(self.cfg, run_dir)  # its reward_fn: what the reward workers start with
         self.task, self.prompts = inputs.task, inputs.prompts
         self.train_data, self.test_data = inputs.train_data, inputs.test_data
         self.sampler = PromptSampler(len(self.train_data), self.cfg.data.batch_size, self.cfg.run.seed,
                                      self.cfg.data.shuffle)
-        self.task_reward_fn = inputs.reward_fn  # what the reward workers start with (workers.reward_fn: now)
         self._env_cls = inputs.env_cls
 
     @classmethod
