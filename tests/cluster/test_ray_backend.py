@@ -317,7 +317,7 @@ def test_vllm_engine_inside_a_rollout_actor(ray_cluster, small_cfg):
     assert not live_engine_processes(), "closing the session leaves no vLLM engine process behind"
 
 
-@pytest.mark.slow  # ~2 min: the default run stays well under 30 min on 2 cores; CI runs the slow stage too
+@pytest.mark.slow  # ~2 min: in the slow stage (by hand), so the default run CI runs stays short on 2 cores
 def test_run_on_failure_restore_survives_killed_and_hung_workers(ray_cluster, small_cfg):
     """Kill the rollout worker, a policy rank just before a checkpoint, freeze a policy rank (SIGSTOP: it
     hangs, so the call times out), kill the reward worker, kill the rollout worker just before an evaluation:
