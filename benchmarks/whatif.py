@@ -3,6 +3,7 @@ settings with the comparison table, and re-scoring saved rollouts.
 
     python benchmarks/whatif.py                         # local, and Ray with 2 FSDP ranks
     python benchmarks/whatif.py --backends local --reps 3 --json out.json
+    python benchmarks/whatif.py --backends local --reps 1 data.batch_size=8   # config overrides last
 
 The batch is the issue's yardstick: 256 samples (64 prompts x 4). `snapshot+restore` is one snapshot
 and one restore of the whole session (policy weights, optimizer, RNG; engine re-synced), median of
@@ -32,8 +33,8 @@ def shorter_is_better(prompt: str, response: str, answer: str) -> float:
     return float(response.strip() == answer) - 0.01 * len(response)
 
 
-def measure(backend: str, reps: int) -> dict:
-    cfg = rl.Config.load(None, [f"run.dir={tempfile.mkdtemp()}", *BACKENDS[backend], *WORKLOAD])
+def measure(backend: str, reps: int, overrides: list[str]) -> dict:
+    cfg = rl.Config.load(None, [f"run.dir={tempfile.mkdtemp()}", *BACKENDS[backend], *WORKLOAD, *overrides])
     with rl.Session(cfg) as sess:
         sess.step()
         sess.step()
@@ -72,10 +73,11 @@ def main() -> None:
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json")
+    p.add_argument("overrides", nargs="*", help="config overrides after the workload's (section.key=value)")
     args = p.parse_args()
     transformers.logging.disable_progress_bar()
     transformers.logging.set_verbosity_error()
-    rows = [measure(b, args.reps) for b in args.backends]
+    rows = [measure(b, args.reps, args.overrides) for b in args.backends]
     print(f"\n{'backend':<12} {'samples':>7} {'snapshot s':>10} {'restore s':>9} {'snap+restore s':>14} "
           f"{'replay x2 + table s':>19} {'re-score s':>10} {'snapshot MiB':>12}")
     for r in rows:

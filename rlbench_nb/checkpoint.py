@@ -78,9 +78,8 @@ def restore(sess: Session, path: Path) -> None:
     if "critic" in groups:
         groups["critic"].call(CriticWorker.load, str(path / "critic"))
     groups["rollout"].call_each(RolloutWorker.set_state, [(s,) for s in states])
-    sess.load_controller_state(controller)
+    sess.return_to(controller)
     sess.last_saved_step = sess.step_count
-    sess.workers.sync(version=sess.step_count)
 
 
 def export_weights(path: str | Path, out: str | Path) -> Path:

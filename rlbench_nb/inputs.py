@@ -31,6 +31,9 @@ class Inputs:
 
 def load_inputs(cfg: Config, run_dir: str | Path | None = None) -> Inputs:
     """`run_dir`: an existing run's, which remembers its tokenizer."""
+    # the user's own modules first: a broken one fails in seconds, not after the task's warm start
+    reward_fn = None if cfg.reward.fn == "task" else load_reward_fn(cfg.reward.fn)
+    env_cls = load_env(cfg.env.fn) if cfg.env.fn else None
     task = load_task(cfg)
     need, positions = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, task.max_positions
     if positions and need > positions:
@@ -39,8 +42,8 @@ def load_inputs(cfg: Config, run_dir: str | Path | None = None) -> Inputs:
     prompts = PromptCodec(load_tokenizer(str(task.model_dir), run_dir), cfg.data)
     train = _dataset(cfg, prompts, cfg.data.train_path, task.train_rows, "train")
     test = _dataset(cfg, prompts, cfg.data.test_path, task.test_rows, "test")
-    reward_fn = task.verifier if cfg.reward.fn == "task" else load_reward_fn(cfg.reward.fn)
-    env_cls = load_env(cfg.env.fn) if cfg.env.fn else None
+    if reward_fn is None:
+        reward_fn = task.verifier
     if task.reward_model_dir:  # a wrong folder costs nothing yet
         from .roles.reward_model import check_reward_model
         check_reward_model(str(task.reward_model_dir))

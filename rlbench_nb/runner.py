@@ -21,7 +21,8 @@ from .cluster.errors import WorkerError
 from .errors import BackgroundRunError, SessionStateError, UsageError
 
 if TYPE_CHECKING:
-    from .session import Session, StartedRollout
+    from .phase_calls import StartedRollout
+    from .session import Session
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,70 @@ def check_run_args(cfg, async_rollout: bool, max_staleness, on_failure: str) -> 
         raise UsageError("async_rollout overlaps generation with the update, but rollout.colocate runs the "
                          "rollout engine on the trainers' devices (under Ray, in the policy's processes), "
                          "asleep during updates: turn one of them off")
+
+
+def run(sess: Session, steps: int | None = None, *, progress: bool = True, async_rollout: bool = False,
+        max_staleness: int = 1, background: bool = False, on_failure: str = "raise"):
+    """`sess.run(...)`: `steps` iterations (default run.steps) with a progress bar; held-out accuracy before
+    and after.
+
+    With `async_rollout=True` the next batch is generated while this one is scored, prepared and
+    trained on (one step off-policy; the loss's importance ratio uses the generating policy's
+    log-probs). `max_staleness=k` keeps up to k batches generating ahead (each trained on at most k steps
+    after the weights that generated it: `async/staleness` in the metrics, with `async/rollout_idle` and
+    `async/trainer_idle`); 0 is the synchronous loop itself. Under the `local` backend there is nothing to
+    overlap with, so it only changes which weights generate. Writes `summary.json` into the run
+    directory and returns it.
+
+    With `background=True` (in a Jupyter kernel) the same loop runs in a worker thread and this returns
+    a `BackgroundRun` at once: the kernel stays free, `sess.pause()` / `resume()` / `stop()` (or the
+    dashboard's buttons) act at the next step boundary, never mid-update; `await run` gives the summary.
+    Other cells may look at the session but not step it until the run ends.
+
+    `on_failure="restore"`: when a worker process dies or stops answering, its role is rebuilt
+    (`restart`: trainer roles come back from the latest checkpoint, and the session with them) and the
+    run goes on until it has done `steps` steps past where it started; an evaluation or save the
+    failure cut runs again. A fault that comes back 3 times before the run gets past it is raised.
+    Metric rows past the restored step move to metrics.superseded.jsonl; no checkpoint is touched.
+    """
+    check_run_args(sess.cfg, async_rollout, max_staleness, on_failure)
+    if sess.background is not None:
+        sess.background.raise_error()  # a background run's failure surfaces at the next run()
+    steps = sess.cfg.run.steps if steps is None else steps
+    if background:
+        return BackgroundRun.start(sess, steps, async_rollout=async_rollout, max_staleness=max_staleness,
+                                   on_failure=on_failure)
+    sess.state, sess.run_outcome = "running", "failed"
+    try:
+        summary = run_loop(sess, steps, async_rollout=async_rollout, max_staleness=max_staleness,
+                           on_failure=on_failure, progress=progress)
+        sess.run_outcome = "finished"
+    except KeyboardInterrupt:
+        sess.run_outcome = "stopped"
+        raise
+    finally:
+        if sess.state == "running":
+            sess.state = "ready"
+        sess.run_end_step = sess.step_count
+        sess.metrics.notify(None)  # views redraw with the end state
+    return summary
+
+
+def pause(sess: Session) -> None:
+    """Pause the background run at the next step boundary."""
+    if sess.background:
+        sess.background.pause()
+
+
+def resume(sess: Session) -> None:
+    if sess.background:
+        sess.background.resume()
+
+
+def stop(sess: Session) -> None:
+    """Stop the background run at the next step boundary (it still writes its summary and checkpoint)."""
+    if sess.background:
+        sess.background.stop()
 
 
 def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, max_staleness: int = 1,

@@ -25,12 +25,11 @@ import time
 import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import checkpoint, cluster
+from . import checkpoint, cluster, phase_calls, runner, views, whatif
 from .algos import make_kl_controller
 from .algos.prepare import advantages_for
 from .cluster.base import finish_all
@@ -38,7 +37,7 @@ from .cluster.workers import Workers
 from .config import Config
 from .data.batch import Batch, minibatch_major
 from .data.datasets import PromptSampler
-from .determinism import configure_process, sample_seeds
+from .determinism import configure_process
 from .errors import UsageError
 from .guard import SessionGuard, deferred_interrupts
 from .inputs import load_inputs
@@ -46,11 +45,11 @@ from .metrics import compute, timeline
 from .metrics.health import SkipWatch, mismatch_alarm
 from .metrics.log import MetricsLog
 from .metrics.trackers import make_trackers
-from .prompts import generate_inputs, remember_tokenizer, reward_inputs
-from .roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker, RewardWorker, role_specs
+from .phase_calls import StartedRollout
+from .prompts import remember_tokenizer, reward_inputs
+from .roles import CriticWorker, PolicyWorker, role_specs
 from .roles.rollout.base import RolloutWorker
 from .rundir import Lease, RunDir, fresh_run_dir
-from .whatif import WhatIf
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ class _hybridmethod:
         return self.cls_fn.__get__(cls, cls) if obj is None else self.inst_fn.__get__(obj, cls)
 
 
-class Session(WhatIf):
+class Session:
     def __init__(self, cfg: Config | str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                  run_dir: str | Path | None = None, *, take_over: bool = False, _attach: bool = False):
         """A session on a new run directory (or `run_dir`). A run directory has one writer at a time
@@ -234,43 +233,19 @@ class Session(WhatIf):
         else:
             draw = ("rows", self.step_count, [r["prompt"] for r in rows])  # what encode reads
         batch = self.prompts.encode(rows, self.cfg.rollout.n, tag=f"s{self.step_count}")
-        if self._env_cls is not None:  # episodes: each env instance starts from its data row
-            t0 = time.perf_counter()
-            rows_in = batch.only("prompt", *batch.info.get("row_fields", ()))
-            return StartedRollout(batch, self.groups["rollout"].submit_shards(RolloutWorker.generate_episodes, rows_in,
-                                                                              self._env_cls), t0)
-        inputs = generate_inputs(batch)
-        if self.cfg.run.deterministic:  # determinism.py: sampling seeded per draw, not by the engine's RNG
-            inputs["sample_seed_B"] = sample_seeds(self.cfg.run.seed, draw, len(batch))
-        t0 = time.perf_counter()  # before submitting: the local backend does the work inside submit_shards
-        return StartedRollout(batch, self.groups["rollout"].submit_shards(RolloutWorker.generate, inputs), t0)
+        return phase_calls.start_rollout(self.workers, batch, self.cfg, self._env_cls, draw)
 
     def finish_rollout(self, started: StartedRollout) -> Batch:
         with self._phase("rollout"):
             return self._collect_rollout(started)
 
     def _collect_rollout(self, started: StartedRollout) -> Batch:
-        batch, t0 = started.batch, started.t0
-        parts = self.groups["rollout"].collect(started.pending)
-        if parts and "loss_mask_BR" in parts[0]:  # episodes: the environments' own prompts, several widths
-            from .roles.rollout.episodes import cat_episodes
-            batch = batch.replace(cat_episodes(parts, self.prompts.tokenizer.pad_token_id))
-        else:
-            batch = batch.replace(Batch.cat(parts))
-        seconds = time.perf_counter() - t0
-        if self.workers.rollout_sleeps():  # give the accelerator to the trainers until the next weight sync
-            self.groups["rollout"].call(RolloutWorker.sleep)
-        batch = self.prompts.decode(batch)
-        batch.info.update(step=self.step_count,
-                          metrics=compute.rollout_metrics(batch, seconds, self.cfg.rollout.max_new_tokens))
-        return batch
+        return phase_calls.collect_rollout(self.workers, self.prompts, started, self.step_count,
+                                           self.cfg.rollout.max_new_tokens)
 
     def discard_rollout(self, started: StartedRollout) -> None:
         """Wait for a started rollout nobody will use (so its worker is free), ignoring its failure."""
-        try:
-            self.groups["rollout"].collect(started.pending)
-        except Exception:
-            pass
+        phase_calls.discard_rollout(self.workers, started)
 
     def score(self, batch: Batch) -> Batch:
         """Rewards: `scores_B` and per-sample `reward_error` (a failing reward costs its sample, not the
@@ -282,8 +257,9 @@ class Session(WhatIf):
             with compute.timed(m, "time/score_s"):
                 # the critic's value pass beside the rewards, on its own workers (the seed's PPO: critic and
                 # reward model score in parallel); prepare reuses the values while the weights are the same
-                scored, (values,) = finish_all(lambda: self._rewards(reward_inputs(batch), batch),
-                                                self._start_values(batch))
+                values_call = None if self._has_current_values(batch) else phase_calls.start_values(self.workers, batch)
+                scored, (values,) = finish_all(lambda: phase_calls.rewards(self.workers, reward_inputs(batch), batch),
+                                                values_call)
             out = batch.replace(scored)
             if values is not None:
                 out["values_BR"] = Batch.cat(values)["values_BR"]
@@ -300,33 +276,8 @@ class Session(WhatIf):
                 log.warning("%d reward error(s) this step; first: %s", m["reward/errors"], first)
             return out
 
-    def _start_values(self, batch: Batch) -> tuple | None:
-        """(critic group, pending compute_values) when the session has a critic and `batch` lacks values
-        from the current weights; else None."""
-        if "critic" not in self.groups or self._has_current_values(batch) or "response_mask_BR" not in batch:
-            return None  # (a batch without tokens: rewards only, the values come in prepare)
-        critic = self.groups["critic"]
-        return critic, critic.submit_shards(CriticWorker.compute_values, batch)
-
     def _has_current_values(self, batch: Batch) -> bool:
         return "values_BR" in batch and batch.info.get("values_epoch") == self.guard.epoch
-
-    def _rewards(self, inputs: Batch, batch: Batch) -> Batch:
-        """The rule function's scores, and with a reward model its scores too, computed at the same time on
-        their own workers and combined by weight (reward.rule_weight, reward.model.weight). Episodes (env.fn)
-        carry their environment's rewards: those are the scores."""
-        if "env_scores_B" in batch:
-            return Batch({"scores_B": batch["env_scores_B"].float()}, {"reward_error": [""] * len(batch)})
-        if "reward_model" not in self.groups:
-            return self.groups["reward"].call_split(RewardWorker.score, inputs)
-        rm = self.groups["reward_model"]
-        model_call = (rm, rm.submit_shards(RewardModelWorker.score, inputs))
-        scored, (model,) = finish_all(lambda: self.groups["reward"].call_split(RewardWorker.score, inputs), model_call)
-        model = Batch.cat(model)
-        w = self.cfg.reward
-        scored["rule_scores_B"], scored["rm_scores_B"] = scored["scores_B"], model["rm_scores_B"]
-        scored["scores_B"] = w.rule_weight * scored["scores_B"] + w.model.weight * model["rm_scores_B"]
-        return scored
 
     def prepare(self, batch: Batch) -> Batch:
         """Old log-probs (policy), reference log-probs and KL, values (critic), advantages and returns.
@@ -339,21 +290,15 @@ class Session(WhatIf):
             if not batch.info.get("off_policy"):  # a batch prepared before: its old log-probs may be stale
                 out = Batch({k: v for k, v in out.tensors.items() if k not in ("old_logprobs_BR", "is_weights_BR")},
                             out.meta, {k: v for k, v in out.info.items() if k != "kl_current"})
-            # the roles' forward passes all at once, each on its own workers (Ray runs them side by side)
-            calls = {}
             if batch.info.get("off_policy"):
                 # one step off-policy: the importance ratio is against the policy that generated the batch
                 out["old_logprobs_BR"] = batch["rollout_logprobs_BR"]
-            elif not self._reuses_logprobs():
-                calls["policy"] = self._submit("policy", PolicyWorker.compute_logprobs, batch)
-            else:  # the update's own forward: valid only with these weights and these settings (update checks)
+            elif self._reuses_logprobs():  # the update's own forward: valid only with these weights and settings
                 out.info["logprobs_epoch"] = self.guard.epoch
-            if self.cfg.uses_reference:  # with LoRA: the policy's own model with its adapters off
-                calls["reference"] = (self._submit("reference", ReferenceWorker.compute_logprobs, batch)
-                                      if "reference" in self.groups
-                                      else self._submit("policy", PolicyWorker.reference_logprobs, batch))
-            if "critic" in self.groups and not self._has_current_values(batch):
-                calls["critic"] = self._submit("critic", CriticWorker.compute_values, batch)
+            calls = phase_calls.start_forwards(
+                self.workers, batch, reference=self.cfg.uses_reference,
+                logprobs=not batch.info.get("off_policy") and not self._reuses_logprobs(),
+                values="critic" in self.groups and not self._has_current_values(batch))
             for done in finish_all(lambda: None, *calls.values())[1]:
                 out.update(Batch.cat(done))
             prepared = advantages_for(batch, out, a, uses_reference=self.cfg.uses_reference,
@@ -367,10 +312,6 @@ class Session(WhatIf):
                       **compute.throughput(out, "prepare", seconds)})
             out.info["metrics"] = m
             return out
-
-    def _submit(self, role: str, method: Callable, batch: Batch) -> tuple:
-        group = self.groups[role]
-        return group, group.submit_shards(method, batch)
 
     def _reuses_logprobs(self) -> bool:
         """algo.reuse_logprobs, where it is exact: one epoch of one mini-batch, so every forward of the update
@@ -480,117 +421,36 @@ class Session(WhatIf):
         environment (env.fn), greedy episodes scored by it; `eval/tool_use`: the share that called a tool."""
         with self._phase("evaluate"):
             rows = rows if rows is not None else self.test_data.rows
-            params = self.cfg.rollout.greedy(max_new_tokens)
-            batch = self.prompts.encode(rows, 1, tag="eval")
-            if self._env_cls is not None:
-                rows_in = batch.only("prompt", *batch.info.get("row_fields", ()))
-                group = self.groups["rollout"]
-                parts = group.collect(group.submit_shards(RolloutWorker.generate_episodes, rows_in, self._env_cls,
-                                                          params))
-                scores = torch.cat([part["env_scores_B"] for part in parts])
-                called = torch.cat([part["tool_calls_B"] for part in parts]) > 0
-                extra = {"eval/tool_use": called.float().mean().item()}
-            else:
-                extra = {}
-                generated = self.groups["rollout"].call_split(RolloutWorker.generate, generate_inputs(batch), params)
-                batch = self.prompts.decode(batch.replace(generated))
-                scores = self.groups["reward"].call_split(RewardWorker.score, reward_inputs(batch))["scores_B"]
-                self.rundir.write_rollouts(batch.replace(scores_B=scores), self.step_count, "eval_step")
-            result = {"step": self.step_count, "eval/accuracy": (scores >= 1.0).float().mean().item(),
-                      "eval/reward_mean": scores.mean().item(), "eval/n": len(rows), **extra}
+            batch, result = phase_calls.evaluate(self.workers, self.prompts, rows,
+                                                 self.cfg.rollout.greedy(max_new_tokens), self._env_cls)
+            if batch is not None:
+                self.rundir.write_rollouts(batch, self.step_count, "eval_step")
+            result = {"step": self.step_count, **result}
             self.metrics.log_eval(result)
             return result
 
-    # ---- the reward, from a cell ----------------------------------------------------------------
-    def set_reward(self, fn: Callable[..., float]) -> Callable[..., float]:
-        """Replace the reward function on every reward worker; `score(batch)` re-scores with it.
-
-        The function must survive pickling (cloudpickle, as Ray ships it), under every backend, so a
-        notebook that works locally works on a cluster."""
-        from .algos.custom import shippable
-        shippable(fn, "reward function", "reward workers")
-        with self._phase("set_reward"):
-            self.workers.set_reward(fn)
-        return fn
-
-    reward = set_reward  # as a decorator: @sess.reward
-
-    def set_env(self, env_cls) -> type:
-        """Run each rollout as a multi-turn episode with `env_cls` (an rlbench_nb.envs.Env subclass, e.g. one
-        written in a cell); None: back to single responses. Usable as a decorator: @sess.set_env."""
-        from .algos.custom import shippable
-        from .envs import check_env
-        if env_cls is not None:
-            check_env(env_cls, "set_env's argument")
-            shippable(env_cls, "environment class", "rollout workers")
-            if self.cfg.algo.advantage not in ("grpo", "rloo") or self.cfg.run.deterministic:
-                raise UsageError("environments run with grpo or rloo, without run.deterministic, "
-                                 f"for now (this session: algo.advantage={self.cfg.algo.advantage}, "
-                                 f"run.deterministic={self.cfg.run.deterministic})")
-        with self._phase("set_env"):
-            self._env_cls = env_cls
-        return env_cls
-
     # ---- runs -----------------------------------------------------------------------------------
-    def run(self, steps: int | None = None, *, progress: bool = True, async_rollout: bool = False,
-            max_staleness: int = 1, background: bool = False, on_failure: str = "raise"):
-        """`steps` iterations (default run.steps) with a progress bar; held-out accuracy before and after.
+    # one binding a line: the docs site (griffe) documents each as a method of Session
+    run = runner.run  # the four phases in a loop, and the background run's buttons: runner.py
+    pause = runner.pause
+    resume = runner.resume
+    stop = runner.stop
 
-        With `async_rollout=True` the next batch is generated while this one is scored, prepared and
-        trained on (one step off-policy; the loss's importance ratio uses the generating policy's
-        log-probs). `max_staleness=k` keeps up to k batches generating ahead (each trained on at most k steps
-        after the weights that generated it: `async/staleness` in the metrics, with `async/rollout_idle` and
-        `async/trainer_idle`); 0 is the synchronous loop itself. Under the `local` backend there is nothing to
-        overlap with, so it only changes which weights generate. Writes `summary.json` into the run
-        directory and returns it.
-
-        With `background=True` (in a Jupyter kernel) the same loop runs in a worker thread and this returns
-        a `BackgroundRun` at once: the kernel stays free, `sess.pause()` / `resume()` / `stop()` (or the
-        dashboard's buttons) act at the next step boundary, never mid-update; `await run` gives the summary.
-        Other cells may look at the session but not step it until the run ends.
-
-        `on_failure="restore"`: when a worker process dies or stops answering, its role is rebuilt
-        (`restart`: trainer roles come back from the latest checkpoint, and the session with them) and the
-        run goes on until it has done `steps` steps past where it started; an evaluation or save the
-        failure cut runs again. A fault that comes back 3 times before the run gets past it is raised.
-        Metric rows past the restored step move to metrics.superseded.jsonl; no checkpoint is touched.
-        """
-        from .runner import BackgroundRun, check_run_args, run_loop
-        check_run_args(self.cfg, async_rollout, max_staleness, on_failure)
-        if self.background is not None:
-            self.background.raise_error()  # a background run's failure surfaces at the next run()
-        steps = self.cfg.run.steps if steps is None else steps
-        if background:
-            return BackgroundRun.start(self, steps, async_rollout=async_rollout, max_staleness=max_staleness,
-                                       on_failure=on_failure)
-        self.state, self.run_outcome = "running", "failed"
-        try:
-            summary = run_loop(self, steps, async_rollout=async_rollout, max_staleness=max_staleness,
-                               on_failure=on_failure, progress=progress)
-            self.run_outcome = "finished"
-        except KeyboardInterrupt:
-            self.run_outcome = "stopped"
-            raise
-        finally:
-            if self.state == "running":
-                self.state = "ready"
-            self.run_end_step = self.step_count
-            self.metrics.notify(None)  # views redraw with the end state
-        return summary
-
-    def pause(self) -> None:
-        """Pause the background run at the next step boundary."""
-        if self.background:
-            self.background.pause()
-
-    def resume(self) -> None:
-        if self.background:
-            self.background.resume()
-
-    def stop(self) -> None:
-        """Stop the background run at the next step boundary (it still writes its summary and checkpoint)."""
-        if self.background:
-            self.background.stop()
+    # ---- the research loop's doors: methods written in whatif.py ----------------------------------
+    set_reward = whatif.set_reward
+    reward = whatif.set_reward  # as a decorator: @sess.reward
+    set_env = whatif.set_env
+    advantage = whatif.advantage
+    policy_loss = whatif.policy_loss
+    configure = whatif.configure
+    apply_config = whatif.apply_config
+    snapshot = whatif.snapshot
+    restore = whatif.restore
+    branch = whatif.branch
+    fork = whatif.fork
+    adopt = whatif.adopt
+    replay = whatif.replay
+    compare = whatif.compare
 
     # ---- workers --------------------------------------------------------------------------------
     def restart(self, *roles: str) -> Session:
@@ -665,6 +525,15 @@ class Session(WhatIf):
         if metrics:
             self.metrics.restore(self.step_count, state["evals"])
 
+    def return_to(self, state: dict, metrics: bool = True) -> None:
+        """The closing steps of every way back (a checkpoint, a snapshot, a branch's end): the controller's
+        state, the engine onto the trainers' weights, and on the main line controller_state.json, so a
+        controller killed next re-attaches where the session now is."""
+        self.load_controller_state(state, metrics)
+        self.workers.sync(version=self.step_count)
+        if self.current_branch is None:
+            self.rundir.write_state(self.controller_state())
+
     # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop this session's workers (and an embedded Ray it started). Files stay."""
@@ -691,45 +560,8 @@ class Session(WhatIf):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- display --------------------------------------------------------------------------------
-    def dashboard(self, max_points: int = 500):
-        """Live widget: reward, accuracy, length, KL, entropy, losses, clipping, grad norm, throughput,
-        memory, and a phase timeline; Pause / Resume / Stop buttons for background runs."""
-        from .widgets import Dashboard
-        return Dashboard(self, max_points=max_points)
-
-    def inspect(self, batch: Batch | str | Path | None = None):
-        """Rollout inspector for a batch, or a saved rollouts file (default: the latest one of this run)."""
-        from .widgets import Inspector
-        if batch is None:
-            files = sorted((self.run_dir / "rollouts").glob("step_*.jsonl"))
-            if not files:
-                raise UsageError("no batch given and no saved rollouts yet in this run (run.save_rollouts_every)")
-            batch = files[-1]
-        return Inspector(batch, tokenizer=self.tokenizer)
-
-    def __repr__(self) -> str:
-        lines = [f"Session(state={self.state}, step={self.step_count}, algo={self.cfg.algo.advantage}, "
-                 f"backend={self.cfg.cluster.backend}, run_dir={self.run_dir})"]
-        lines += [f"  {r:<12} rank {k}  pool={pool} node={n} pid={p} device={d} rss_gb={m}"
-                  for r, k, pool, n, p, d, m in self.workers.table()]
-        return "\n".join(lines)
-
-    def _repr_html_(self) -> str:
-        from html import escape
-        rows = "".join("<tr>" + "".join(f"<td>{escape(str(x))}</td>" for x in row) + "</tr>"
-                       for row in self.workers.table())
-        head = "".join(f"<th>{h}</th>" for h in ("role", "rank", "pool", "node", "pid", "device", "RSS GB"))
-        return (f"<div><b>rlbench-nb Session</b> — state <b>{self.state}</b>, step {self.step_count}, "
-                f"algo {self.cfg.algo.advantage}, backend {self.cfg.cluster.backend}<br>"
-                f"<code>{escape(str(self.run_dir))}</code><table style='font-size:12px'><tr>{head}</tr>{rows}"
-                "</table></div>")
-
-
-
-@dataclass
-class StartedRollout:
-    """A rollout submitted to the engines, not collected yet (`Session.start_rollout`)."""
-    batch: Batch      # the encoded prompts, rollout.n rows each
-    pending: object   # the engines' calls (cluster.base.Pending)
-    t0: float         # when it was submitted: the rollout's seconds count from here
+    # ---- display: methods written in views.py ---------------------------------------------------
+    dashboard = views.dashboard
+    inspect = views.inspect
+    __repr__ = views.describe
+    _repr_html_ = views.describe_html

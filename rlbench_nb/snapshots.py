@@ -119,5 +119,4 @@ def restore(sess: Session, snap: Snapshot, history: bool = True) -> None:
     for role in snap.holders:  # a restarted worker finds an on-disk snapshot by its folder
         sess.groups[role].call(SnapshotHolder.return_to, snap.key, None if snap.path is None else str(snap.path))
     sess.groups["rollout"].call_each(RolloutWorker.set_state, [(s,) for s in snap.rollout_states])
-    sess.load_controller_state(snap.controller, metrics=history)
-    sess.workers.sync(version=sess.step_count)
+    sess.return_to(snap.controller, metrics=history)

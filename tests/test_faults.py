@@ -71,27 +71,48 @@ def _same_as_straight(killed: Path, straight: Path, steps: int) -> None:
     assert not superseded.exists() or all(r["step"] > 10 for r in read_jsonl(superseded))
 
 
+def _cli(run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "rlbench_nb.cli", "train", "configs/arith_grpo.yaml", "--quiet", *TRAIN,
+            "run.steps=30", f"run.dir={run_dir}"]
+
+
+def _script_cmd(script: Path, run_dir: Path) -> list[str]:
+    return [sys.executable, str(script), "--steps", "30", "--run-dir", str(run_dir), *TRAIN]
+
+
+# one straight run for both ways of killing (kill, interrupt): the killed runs are compared with it
+@pytest.fixture(scope="module")
+def straight_cli_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("straight-cli")
+    _run([*_cli(run_dir), "run.name=straight"])
+    return run_dir / "straight"
+
+
+@pytest.fixture(scope="module")
+def quickstart_script(tmp_path_factory) -> tuple[Path, Path]:
+    """The quickstart notebook exported, and a straight run of it."""
+    from rlbench_nb.export import export
+    folder = tmp_path_factory.mktemp("exported")
+    script = export(REPO / "notebooks/01_quickstart.ipynb", folder / "train.py")
+    _run(_script_cmd(script, folder / "straight"))
+    return script, folder / "straight"
+
+
 @pytest.mark.parametrize("how", ["kill", "interrupt"])
-def test_killed_cli_run_resumes_with_the_metrics_of_a_straight_run(tmp_path, how):
-    cli = [sys.executable, "-m", "rlbench_nb.cli", "train", "configs/arith_grpo.yaml", "--quiet",
-           *TRAIN, "run.steps=30", f"run.dir={tmp_path}"]
-    proc = _start([*cli, "run.name=killed"], tmp_path / "killed.log")
+def test_killed_cli_run_resumes_with_the_metrics_of_a_straight_run(tmp_path, how, straight_cli_run):
+    proc = _start([*_cli(tmp_path), "run.name=killed"], tmp_path / "killed.log")
     _kill_when(proc, tmp_path / "killed" / "checkpoints" / "step_10" / "COMPLETE", how)
     _run([sys.executable, "-m", "rlbench_nb.cli", "train", "--resume", str(tmp_path / "killed"), "--quiet"])
-    _run([*cli, "run.name=straight"])
-    _same_as_straight(tmp_path / "killed", tmp_path / "straight", 30)
+    _same_as_straight(tmp_path / "killed", straight_cli_run, 30)
 
 
 @pytest.mark.parametrize("how", ["kill", "interrupt"])
-def test_killed_exported_script_resumes_with_the_metrics_of_a_straight_run(tmp_path, how):
-    from rlbench_nb.export import export
-    script = export(REPO / "notebooks/01_quickstart.ipynb", tmp_path / "train.py")
-    cmd = [sys.executable, str(script), "--steps", "30", *TRAIN]
-    proc = _start([*cmd[:4], "--run-dir", str(tmp_path / "killed"), *cmd[4:]], tmp_path / "killed.log")
+def test_killed_exported_script_resumes_with_the_metrics_of_a_straight_run(tmp_path, how, quickstart_script):
+    script, straight = quickstart_script
+    proc = _start(_script_cmd(script, tmp_path / "killed"), tmp_path / "killed.log")
     _kill_when(proc, tmp_path / "killed" / "checkpoints" / "step_10" / "COMPLETE", how)
     _run([sys.executable, str(script), "--steps", "30", "--resume", str(tmp_path / "killed")])
-    _run([*cmd[:4], "--run-dir", str(tmp_path / "straight"), *cmd[4:]])
-    _same_as_straight(tmp_path / "killed", tmp_path / "straight", 30)
+    _same_as_straight(tmp_path / "killed", straight, 30)
 
 
 KILL_MID_SAVE = """

@@ -13,7 +13,7 @@ import pytest
 from .conftest import REPO
 
 PACKAGE = REPO / "rlbench_nb"
-SESSION_MAX_LINES = 735  # test_the_session_module_does_not_grow_back
+SESSION_MAX_LINES = 570  # test_the_session_module_does_not_grow_back
 
 # layer -> the package's layers it must not import at module level (a function may import lazily, as
 # Session.dashboard() does the widgets)
@@ -157,3 +157,47 @@ def test_worker_methods_are_named_by_reference_outside_the_cluster():
     the worker, and a renamed method breaks at import, not mid-run (cluster/base.py's `Method`)."""
     assert not _grep(r"\.(call|submit|call_each|call_rank0|call_shards|submit_shards|call_split|submit_stored)\(\"",
                      exempt=("rlbench_nb/cluster/",))
+
+
+def _session_class() -> ast.ClassDef:
+    tree = ast.parse((PACKAGE / "session.py").read_text())
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Session")
+
+
+def test_the_session_is_one_class_with_few_methods_and_no_mixin():
+    """The façade issue's rules: no base class to hide methods in, at most 45 methods written in session.py (the
+    verbs written elsewhere are bound one a line, `snapshot = whatif.snapshot`)."""
+    session = _session_class()
+    assert not session.bases, f"Session has base classes: {[ast.unparse(b) for b in session.bases]}"
+    methods = [n.name for n in session.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert len(methods) <= 45, f"Session defines {len(methods)} methods (at most 45)"
+    long = {n.name: n.end_lineno - n.lineno + 1 for n in session.body
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    over = {name: lines for name, lines in long.items() if lines > LONG_SESSION_METHODS.get(name, 30)}
+    assert not over, f"Session methods over 30 lines: {over}"
+
+
+LONG_SESSION_METHODS = {"__init__": 55, "prepare": 33}  # a ratchet, as LONG_FUNCTIONS below
+
+
+# Ratchets for the façade issue's size rules (no function over 60 lines, no module over 400 but config.py):
+# what breaks them today, at most as long as today. Lower a number as its code shrinks; never add a name.
+LONG_FUNCTIONS = {"rlbench_nb/export.py:to_script": 115, "rlbench_nb/roles/rollout/episodes.py:run_episodes": 82,
+                  "rlbench_nb/data/tasks/reward_model.py:build": 71}
+LONG_MODULES = {"rlbench_nb/config.py": 800, "rlbench_nb/session.py": SESSION_MAX_LINES,
+                "rlbench_nb/cluster/ray_backend.py": 500, "rlbench_nb/export.py": 424}
+
+
+def test_no_new_function_over_60_lines_and_no_new_module_over_400():
+    long_functions, long_modules = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel, text = str(path.relative_to(REPO)), path.read_text()
+        if len(text.splitlines()) > LONG_MODULES.get(rel, 400):
+            long_modules.append(f"{rel}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONG_FUNCTIONS.get(f"{rel}:{node.name}", 60):
+                    long_functions.append(f"{rel}:{node.lineno} {node.name}: {lines} lines")
+    assert not long_functions, long_functions
+    assert not long_modules, long_modules

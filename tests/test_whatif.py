@@ -44,10 +44,13 @@ def test_stepping_from_a_restored_snapshot_is_bit_identical(small_cfg, tmp_path)
         sess.step()
         snap = sess.snapshot()
         assert snap.bytes > 0 and "in memory" in repr(snap)
+        at_one = sess.rundir.read_state()
         first = [_numbers(sess.step()) for _ in range(3)]
         weights = sess.groups["policy"].call("get_weights")[0]
         sess.restore(snap)
         assert sess.step_count == 1 and [r["step"] for r in sess.history] == [1]
+        # controller_state.json follows the restore: a controller killed now re-attaches at step 1, not 4
+        assert sess.rundir.read_state() == at_one and at_one["step"] == 1
         again = [_numbers(sess.step()) for _ in range(3)]
         assert again == first  # every number of every row, bit for bit
         assert all(torch.equal(v, sess.groups["policy"].call("get_weights")[0][k]) for k, v in weights.items())

@@ -9,6 +9,8 @@ import torch
 import rlbench_nb as rl
 from rlbench_nb.cluster import ClusterError, WorkerDiedError, WorkerError
 from rlbench_nb.metrics import read_jsonl
+from rlbench_nb.roles import PolicyWorker
+from rlbench_nb.roles.rollout.base import RolloutWorker
 
 from ..conftest import REPO, assert_rollout_holds_policy_weights
 
@@ -32,39 +34,79 @@ def _comparable(row):
 
 
 def test_two_fsdp_ranks_match_one_rank(ray_cluster, small_cfg):
-    """Same global batch: 2 FSDP2 ranks and 1 rank give the same losses and the same updated weights.
+    """Same global batch: 2 FSDP2 ranks (whole and packed rows) and 1 rank give the same losses and the same
+    updated weights; a worker's error names its role, rank, method and line; the engine follows a push only.
 
     Tolerances: the ranks' sums run in another order (reduce-scatter vs one sum), ~1e-6 relative. But
     each update takes 2 optimizer steps (2 mini-batches), and Adam's steps move a weight by ~lr whatever
     its gradient's size, so a gradient entry below that rounding noise moves its weight by +-lr either way;
     everything computed after the first optimizer step (mini-batch 2, step 2) inherits that. Metrics get
     1e-3 relative (seen: 1.2e-4; a rank on the wrong rows is off by >1e-2), and the weights' difference must
-    stay under 2% of how far they moved (a real mismatch moves them as far as the update itself)."""
+    stay under 2% of how far they moved (a real mismatch moves them as far as the update itself).
+
+    Cost: the 1-rank side is the local backend (the same worker code in this process; the bf16 test compares
+    local with Ray too) and the packed run restores the 2-rank session's snapshot instead of starting a third
+    session: one Ray session in all."""
+    # whole sequences on both sides: the shared-prompt-prefix forward (one rank only) rounds differently
+    common = ["run.tensorboard=false", "cluster.num_threads=1", "algo.kl_coef=0.05", "train.share_prompt_prefix=false",
+              "train.mini_batches=2", "train.micro_batch_size=4"]
+    with rl.Session(small_cfg(*common)) as one:
+        start = one.groups["policy"].call(PolicyWorker.get_weights)[0]
+        rows1 = [_comparable(one.step()) for _ in range(2)]
+        w1 = one.groups["policy"].call(PolicyWorker.get_weights)[0]
+    sess = rl.Session(small_cfg(*common, "cluster.backend=ray", "cluster.train_ranks=2"))
+    assert sess.groups["policy"].world_size == 2
+    shards = sess.groups["policy"].call(PolicyWorker.local_shards)  # sharded: each rank holds half a layer
+    assert shards[0]["model.layers.0.mlp.up_proj.weight"][0][0] * 2 == 256
+    assert all(torch.equal(v, sess.groups["policy"].call(PolicyWorker.get_weights)[0][k]) for k, v in start.items())
+    snap = sess.snapshot()
     results = {}
     # packed rows cut by a token budget: each rank's count of micro-batches follows its own rows' lengths,
     # and the ranks must still agree on it (each forward is a collective)
-    packed = ["train.pack_sequences=true", "train.max_tokens_per_micro_batch=20"]
-    for name, ranks, extra in ((1, 1, []), (2, 2, []), ("2-packed", 2, packed)):
-        # whole sequences on both sides: the shared-prompt-prefix forward (one rank only) rounds differently
-        sess = rl.Session(small_cfg(*RAY, f"cluster.train_ranks={ranks}", "algo.kl_coef=0.05",
-                                    "train.share_prompt_prefix=false", "train.mini_batches=2",
-                                    "train.micro_batch_size=4", *extra))
-        assert sess.groups["policy"].world_size == ranks
-        start = sess.groups["policy"].call("get_weights")[0]
-        rows = [sess.step() for _ in range(2)]
-        results[name] = ([_comparable(r) for r in rows], sess.groups["policy"].call("get_weights")[0])
-        if ranks == 2:  # the policy really is sharded: each rank holds half of a layer's weight
-            shards = sess.groups["policy"].call("local_shards")
-            assert shards[0]["model.layers.0.mlp.up_proj.weight"][0][0] * 2 == 256
-        sess.close()
-    rows1, w1 = results[1]
-    for rows2, w2 in (results[2], results["2-packed"]):
+    for name, extra in (("2", ()), ("2-packed", ("train.pack_sequences=true", "train.max_tokens_per_micro_batch=20"))):
+        sess.restore(snap)
+        sess.configure(*extra)
+        rows = [_comparable(sess.step()) for _ in range(2)]
+        results[name] = (rows, sess.groups["policy"].call(PolicyWorker.get_weights)[0])
+    for rows2, w2 in results.values():
         assert rows1[0]["reward/mean"] == rows2[0]["reward/mean"]  # the same samples
         for a, b in zip(rows1, rows2):
             assert a == pytest.approx(b, rel=1e-3, abs=1e-6)
         assert w1.keys() == w2.keys()
         for k in w1:
             assert (w1[k] - w2[k]).norm() <= 0.02 * (w1[k] - start[k]).norm() + 1e-7, k
+
+    # a worker's error, raised on a rank: named by role, rank, method and the line that raised
+    sess.restore(snap)  # whole rows again
+    snap.release()
+    batch = sess.score(sess.rollout())
+    del batch.tensors["prompt_ids_BP"]
+    with pytest.raises(WorkerError) as e:
+        sess.groups["policy"].call_shards(PolicyWorker.compute_logprobs, batch)
+    err = e.value
+    assert err.role == "policy" and err.method == "compute_logprobs" and err.rank in (0, 1)
+    assert "KeyError" in str(err) and "batch has no field 'prompt_ids_BP'" in str(err)
+    assert "rlbench_nb/roles/policy.py" in err.frame and 'batch["prompt_ids_BP"]' in err.frame
+    assert "Traceback (most recent call last)" in err.remote_traceback
+    assert "RayTaskError" not in str(err)
+
+    # the engine changes with a push, and not before it
+    sess.configure("train.lr=1e-2")
+    probe = sess.prompts.encode(sess.test_data.rows[:16], 1, "probe")
+    greedy = sess.cfg.rollout.model_copy(update={"temperature": 0.0})
+
+    def generate():
+        return sess.groups["rollout"].call_split(RolloutWorker.generate, probe, greedy)["rollout_logprobs_BR"]
+
+    before = generate()
+    batch = sess.prepare(sess.score(sess.rollout()))
+    sess.groups["policy"].call_shards(PolicyWorker.update, batch, 0.0)  # update without the sync
+    torch.testing.assert_close(generate(), before)                      # the engine still has the old weights
+    stats = sess.sync_weights()
+    assert stats["sync/bytes"] > 2_000_000 and stats["sync/s"] > 0
+    after = generate()
+    assert after.shape != before.shape or not torch.allclose(after, before)
+    sess.close()
 
 
 @pytest.mark.slow
@@ -120,40 +162,6 @@ def test_bf16_fsdp_keeps_fp32_master_shards_and_trains_like_one_process(ray_clus
     assert a["entropy"] == pytest.approx(b["entropy"], rel=2e-2)
     assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=5e-2)
     assert all(abs(r["loss/policy"]) < 10 for r in rows["ray"])
-
-
-def test_rollout_changes_after_sync_and_not_before(ray_cluster, small_cfg):
-    sess = rl.Session(small_cfg(*RAY, "train.lr=1e-2"))
-    probe = sess.prompts.encode(sess.test_data.rows[:16], 1, "probe")
-    greedy = sess.cfg.rollout.model_copy(update={"temperature": 0.0})
-
-    def generate():
-        return sess.groups["rollout"].call_split("generate", probe, greedy)["rollout_logprobs_BR"]
-
-    before = generate()
-    batch = sess.prepare(sess.score(sess.rollout()))
-    sess.groups["policy"].call_shards("update", batch, 0.0)   # update without the sync
-    torch.testing.assert_close(generate(), before)             # the engine still has the old weights
-    stats = sess.sync_weights()
-    assert stats["sync/bytes"] > 2_000_000 and stats["sync/s"] > 0
-    after = generate()
-    assert after.shape != before.shape or not torch.allclose(after, before)
-    sess.close()
-
-
-def test_remote_error_names_role_rank_method_and_line(ray_cluster, small_cfg):
-    sess = rl.Session(small_cfg(*RAY, "cluster.train_ranks=2", "algo.reuse_logprobs=false"))  # prepare's forward
-    batch = sess.score(sess.rollout())
-    del batch.tensors["prompt_ids_BP"]
-    with pytest.raises(WorkerError) as e:
-        sess.prepare(batch)
-    err = e.value
-    assert err.role == "policy" and err.method == "compute_logprobs" and err.rank in (0, 1)
-    assert "KeyError" in str(err) and "batch has no field 'prompt_ids_BP'" in str(err)
-    assert "rlbench_nb/roles/policy.py" in err.frame and 'batch["prompt_ids_BP"]' in err.frame
-    assert "Traceback (most recent call last)" in err.remote_traceback
-    assert "RayTaskError" not in str(err)
-    sess.close()
 
 
 def test_dead_worker_is_named_and_the_role_restarts(ray_cluster, small_cfg):

@@ -8,8 +8,8 @@ how far a given step has got — at 400 steps one machine's AVX-512 kernels gave
 `task.warm_start_target` lands every CPU at the same skill, whichever step that takes.
 
 Cache: $RLBENCH_NB_CACHE or ~/.cache/rlbench_nb (the only thing written outside a run directory), keyed
-by the settings, torch's version and the CPU's kernel set (a model is reused only where it would be
-rebuilt bit for bit).
+by the settings it is built from (the task's but task.num_test, the model's shape), torch's version and the
+CPU's kernel set (a model is reused only where it would be rebuilt bit for bit: `cache_key`).
 """
 from __future__ import annotations
 
@@ -37,13 +37,19 @@ def cache_root() -> Path:
     return Path(os.environ.get("RLBENCH_NB_CACHE", Path.home() / ".cache" / "rlbench_nb"))
 
 
+MODEL_SHAPE = ("hidden_size", "num_layers", "num_heads", "intermediate_size")  # what arithmetic.make_model reads
+
+
 def cache_key(task: TaskConfig, model: ModelConfig) -> str:
-    """The settings a built model depends on: the tool task's own (tool_share, its recipe's version) only for it,
-    so the arithmetic task's caches keep their keys."""
-    shown = task.model_dump(exclude=None if task.name == "tool_arith" else {"tool_share"})
+    """The settings a built model depends on: the tool task's own (tool_share, its recipe's version) only for it.
+    Not task.num_test: the training rows are the first task.num_train of one fixed draw whatever follows them
+    (arithmetic.make_split), and the warm start sees only those, so any held-out size shares one model."""
+    shown = task.model_dump(exclude={"num_test"} if task.name == "tool_arith" else {"tool_share", "num_test"})
     if task.name == "tool_arith":
         shown["tool_recipe"] = TOOL_RECIPE_VERSION
-    blob = json.dumps({"v": CACHE_VERSION, "task": shown, "model": model.model_dump(exclude={"path"}),
+    # of the model's settings only its shape: the warm start builds and trains an fp32 model (make_model) whatever
+    # model.dtype, model.attention or model.lora the roles load it with later
+    blob = json.dumps({"v": CACHE_VERSION, "task": shown, "model": model.model_dump(include=set(MODEL_SHAPE)),
                        "torch": torch.__version__, "kernels": torch.backends.cpu.get_cpu_capability()},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

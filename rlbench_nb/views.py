@@ -1,0 +1,51 @@
+"""How a session shows itself: the live dashboard, the rollout inspector, its repr and its HTML in a
+notebook. Methods written here and bound on `Session` (`dashboard = views.dashboard`); the widgets load
+only when asked for (the controller runs without ipywidgets and plotly imported)."""
+from __future__ import annotations
+
+from html import escape
+from typing import TYPE_CHECKING
+
+from .errors import UsageError
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from .data.batch import Batch
+    from .session import Session
+
+
+def dashboard(self: Session, max_points: int = 500):
+    """Live widget: reward, accuracy, length, KL, entropy, losses, clipping, grad norm, throughput,
+    memory, and a phase timeline; Pause / Resume / Stop buttons for background runs."""
+    from .widgets import Dashboard
+    return Dashboard(self, max_points=max_points)
+
+
+def inspect(self: Session, batch: Batch | str | Path | None = None):
+    """Rollout inspector for a batch, or a saved rollouts file (default: the latest one of this run)."""
+    from .widgets import Inspector
+    if batch is None:
+        files = sorted((self.run_dir / "rollouts").glob("step_*.jsonl"))
+        if not files:
+            raise UsageError("no batch given and no saved rollouts yet in this run (run.save_rollouts_every)")
+        batch = files[-1]
+    return Inspector(batch, tokenizer=self.tokenizer)
+
+
+def describe(self: Session) -> str:
+    lines = [f"Session(state={self.state}, step={self.step_count}, algo={self.cfg.algo.advantage}, "
+             f"backend={self.cfg.cluster.backend}, run_dir={self.run_dir})"]
+    lines += [f"  {r:<12} rank {k}  pool={pool} node={n} pid={p} device={d} rss_gb={m}"
+              for r, k, pool, n, p, d, m in self.workers.table()]
+    return "\n".join(lines)
+
+
+def describe_html(self: Session) -> str:
+    rows = "".join("<tr>" + "".join(f"<td>{escape(str(x))}</td>" for x in row) + "</tr>"
+                   for row in self.workers.table())
+    head = "".join(f"<th>{h}</th>" for h in ("role", "rank", "pool", "node", "pid", "device", "RSS GB"))
+    return (f"<div><b>rlbench-nb Session</b> — state <b>{self.state}</b>, step {self.step_count}, "
+            f"algo {self.cfg.algo.advantage}, backend {self.cfg.cluster.backend}<br>"
+            f"<code>{escape(str(self.run_dir))}</code><table style='font-size:12px'><tr>{head}</tr>{rows}"
+            "</table></div>")
