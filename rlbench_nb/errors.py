@@ -55,6 +55,8 @@ def disk_full(error: BaseException, where: Path) -> bool:
     disk is all but full (torch.save's own wordings: "file write failed", "unexpected pos ...")."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         return True
+    if isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return False  # said what it is: a read-only mount or a permission, on a small disk too
     text = str(error)
     return "No space left on device" in text or "File too large" in text or free_bytes(where) < 16 * 2**20
 

@@ -97,15 +97,7 @@ class SessionGuard:
         background run from another thread. Ctrl-C waits for the phase to end; a second Ctrl-C abandons
         it, and after one that `changes_state` (an update, a load) the workers may hold a half-applied
         step: the session then refuses phases until re-synced."""
-        if self.state == "closed":
-            raise SessionStateError(f"cannot {what}: the session is closed; start a new one, or "
-                                    "rl.Session.load(run_dir) to continue from its latest checkpoint")
-        if self.state == "needs_resync" and not repairs:
-            raise SessionStateError(f"cannot {what}: an interrupted update may have left the workers half-way "
-                                    "through a step; call sess.resync() to return to the latest checkpoint")
-        if self.owner is not None and self.owner != threading.get_ident():
-            raise SessionStateError(f"cannot {what} while a background run is stepping this session: "
-                                    "sess.stop() it (or sess.pause()) and wait for it to end, then try again")
+        self.check(what, repairs)
         with self._lock, deferred_interrupts(what):
             if changes_state:
                 self.weights_changed()
@@ -117,6 +109,18 @@ class SessionGuard:
                 raise
             if repairs and self.state == "needs_resync":
                 self.state = "ready"
+
+    def check(self, what: str, repairs: bool = False) -> None:
+        """Raise SessionStateError, saying what to do, where `phase(what)` would be refused."""
+        if self.state == "closed":
+            raise SessionStateError(f"cannot {what}: the session is closed; start a new one, or "
+                                    "rl.Session.load(run_dir) to continue from its latest checkpoint")
+        if self.state == "needs_resync" and not repairs:
+            raise SessionStateError(f"cannot {what}: an interrupted update may have left the workers half-way "
+                                    "through a step; call sess.resync() to return to the latest checkpoint")
+        if self.owner is not None and self.owner != threading.get_ident():
+            raise SessionStateError(f"cannot {what} while a background run is stepping this session: "
+                                    "sess.stop() it (or sess.pause()) and wait for it to end, then try again")
 
     @contextmanager
     def owned_by_this_thread(self):

@@ -44,9 +44,12 @@ Call = tuple[tuple, dict]                       # (args, kwargs)
 Outcome = tuple[bool, Any]                      # (True, value) or (False, (error type name, message))
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch here
+
+
 def as_number(value: Any) -> float:
     """A reward as a float: bools, ints, floats, numpy scalars and one-element tensors/arrays are numbers;
-    NaN, infinities, None and anything else are errors."""
+    NaN, infinities, values float32 cannot hold, None and anything else are errors."""
     if hasattr(value, "item") and hasattr(value, "shape") and math.prod(value.shape) == 1:
         value = value.item()  # numpy scalar or array, torch tensor
     if isinstance(value, bool):  # numpy bools became Python bools through .item() above
@@ -56,6 +59,9 @@ def as_number(value: Any) -> float:
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"returned {value}")
+    if abs(value) > FLOAT32_MAX:  # a valid Python float, but inf in the float32 batch: every advantage would be NaN
+        raise ValueError(f"returned {value!r}, beyond float32's range (+-{FLOAT32_MAX:.3g}) in which rewards are "
+                         "kept: scale the reward down")
     return value
 
 

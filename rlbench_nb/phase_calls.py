@@ -2,9 +2,9 @@
 `evaluate`. Session keeps the order of the phases, their metrics and the state they move; these functions
 only fan a batch out to the roles (side by side where the backend can) and gather what comes back.
 
-    started = start_rollout(workers, prompts, batch, cfg, env_cls)   # the engines generate ...
-    batch = collect_rollout(workers, prompts, started, cfg)         # ... and the batch comes back decoded
-    scored = rewards(workers, reward_inputs(batch), batch)          # rule fn (+ reward model), combined
+    started = start_rollout(workers, prompt_batch, cfg, env_cls, draw)  # the engines generate ...
+    batch = collect_rollout(workers, prompts, started, step, max_new)  # ... and the batch comes back decoded
+    scored = rewards(workers, reward_inputs(batch), batch)             # rule fn (+ reward model), combined
 """
 from __future__ import annotations
 

@@ -74,9 +74,13 @@ class RunDir:
         d = self.path / "rollouts"
         d.mkdir(exist_ok=True)
         path = d / f"{kind}_{step:06d}.jsonl"
-        with path.open("w", encoding="utf-8") as f:
-            for row in rollout_rows(batch):
-                f.write(json.dumps(row, default=str) + "\n")
+        try:
+            with path.open("w", encoding="utf-8") as f:
+                for row in rollout_rows(batch):
+                    f.write(json.dumps(row, default=str) + "\n")
+        except OSError as e:  # no half file left to be read as the step's samples
+            path.unlink(missing_ok=True)
+            raise RunDirError(e.errno, write_failure(path, e)) from None
         return path
 
 
@@ -151,17 +155,21 @@ class Lease:
         held = self.holder() or {}
         write_json(self.path, {**self.me, "since": since or held.get("since", time.time()), "renewed": time.time()})
 
+    def holds(self) -> bool:
+        """Whether this controller still holds the run (gone counts as not: the taker may have closed since)."""
+        holder = self.holder()
+        return holder is not None and holder.get("token") == self.token
+
     def check(self, what: str) -> None:
         """Raise if another controller took the run over: this one must not write it any more."""
-        holder = self.holder()
-        if holder is None or holder.get("token") != self.token:  # gone too: the taker may have closed since
+        if not self.holds():
+            holder = self.holder()
             who = self.describe(holder) if holder else "another session, which has released it since"
             raise SessionStateError(f"cannot {what}: run directory {self.path.parent} was taken over by "
                                     f"{who}; this session no longer writes it — close it")
 
     def release(self) -> None:
-        holder = self.holder()
-        if holder is not None and holder.get("token") == self.token:
+        if self.holds():
             self.path.unlink(missing_ok=True)
 
 

@@ -96,6 +96,7 @@ def run(sess: Session, steps: int | None = None, *, progress: bool = True, async
     check_run_args(sess.cfg, async_rollout, max_staleness, on_failure)
     if sess.background is not None:
         sess.background.raise_error()  # a background run's failure surfaces at the next run()
+    sess.guard.check("run")  # closed, needs re-sync, or another run's: said before the state says "running"
     steps = sess.cfg.run.steps if steps is None else steps
     if background:
         return BackgroundRun.start(sess, steps, async_rollout=async_rollout, max_staleness=max_staleness,
@@ -279,6 +280,8 @@ class BackgroundRun:
         self.error: BaseException | None = None  # what the loop raised, if it failed
         self._ended = False  # the loop has returned or raised (the task itself ends a moment later)
         self._error_raised = False
+        self._submitted = False  # the loop was handed to a worker thread (which then always runs it)
+        self._thread_done = threading.Event()
 
     @classmethod
     def start(cls, session: Session, steps: int, **options) -> BackgroundRun:
@@ -297,7 +300,9 @@ class BackgroundRun:
     async def _main(self, steps: int, options: dict) -> dict | None:
         sess = self.session
         try:
-            self.summary = await asyncio.to_thread(self._thread_main, steps, options)
+            if not self.control.stopped:  # stopped before it began (a close() in the same cell): nothing runs
+                self._submitted = True
+                self.summary = await asyncio.to_thread(self._thread_main, steps, options)
         except BaseException as e:  # kept for the dashboard and the next interaction
             self.error = e
         self._ended = True  # before the final redraw, so the dashboard says finished / stopped / failed
@@ -306,8 +311,18 @@ class BackgroundRun:
         return self.summary
 
     def _thread_main(self, steps: int, options: dict) -> dict:
-        with self.session.guard.owned_by_this_thread():
-            return run_loop(self.session, steps, control=self.control, progress=False, **options)
+        try:
+            with self.session.guard.owned_by_this_thread():
+                return run_loop(self.session, steps, control=self.control, progress=False, **options)
+        finally:
+            self._thread_done.set()
+
+    def stop_and_wait(self) -> None:
+        """Stop at the next step boundary and wait until the loop's thread has returned (`Session.close`: the
+        step under way ends and is recorded, and the run ends "stopped", not failed by closing workers)."""
+        self.control.stop()
+        if self._submitted and self.session.guard.owner != threading.get_ident():  # not from the loop itself
+            self._thread_done.wait()
 
     def raise_error(self) -> None:
         """Raise the run's failure (once) as a BackgroundRunError chained to it."""

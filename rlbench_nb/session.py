@@ -38,7 +38,7 @@ from .config import Config
 from .data.batch import Batch, minibatch_major
 from .data.datasets import PromptSampler
 from .determinism import configure_process
-from .errors import UsageError
+from .errors import RunDirError, UsageError
 from .guard import SessionGuard, deferred_interrupts
 from .inputs import load_inputs
 from .metrics import compute, timeline
@@ -377,7 +377,30 @@ class Session:
             raise
 
     def _commit_step(self, batch: Batch, m: dict) -> None:
-        """The step's bookkeeping, all together: step count, KL controller, metrics row, controller state."""
+        """The step's bookkeeping, all together: step count, KL controller, metrics row, controller state. The
+        trainers have moved already: a write of those that fails (no space, a read-only mount) leaves the
+        session `needs_resync`, never `ready` with counts that disagree for good. The samples file after them
+        costs only itself."""
+        step = self.step_count + 1
+        try:
+            self._record_step(batch, m)
+        except OSError as e:
+            self.state = "needs_resync"
+            what = e.strerror if isinstance(e, RunDirError) else str(e)  # already in words, or the raw error
+            raise RunDirError(e.errno, f"{what}. Step {step}'s update was applied but not recorded: once the run "
+                                       "directory can be written, sess.resync() returns every role to the latest "
+                                       "checkpoint") from e
+        try:
+            k = self.cfg.run.save_rollouts_every
+            if k and self.step_count % k == 0:
+                self.rundir.write_rollouts(batch, self.step_count)
+                if self.cfg.run.trackers:
+                    self.metrics.log_samples(self.step_count, batch.rows())
+        finally:
+            self.metrics.notify(m)  # once the step is on disk: a subscriber sees only committed steps
+            self.skips.observe(self.step_count, m)
+
+    def _record_step(self, batch: Batch, m: dict) -> None:
         self.lease.renew()  # first: a session taken over mid-step writes nothing more
         self.step_count += 1
         self.run_outcome = None  # moved on from the last run's end (a run sets it again when it ends)
@@ -386,13 +409,6 @@ class Session:
             self.kl_ctrl.update(current, n_steps=len(batch))
         self.metrics.record_step(self.step_count, m)
         self.rundir.write_state(self.controller_state())
-        k = self.cfg.run.save_rollouts_every
-        if k and self.step_count % k == 0:
-            self.rundir.write_rollouts(batch, self.step_count)
-            if self.cfg.run.trackers:
-                self.metrics.log_samples(self.step_count, batch.rows())
-        self.metrics.notify(m)  # once the step is on disk: a subscriber sees only committed steps
-        self.skips.observe(self.step_count, m)
 
     def step(self) -> dict:
         """One iteration: rollout -> score -> prepare -> update. Returns the step's metrics row.
@@ -528,19 +544,23 @@ class Session:
     def return_to(self, state: dict, metrics: bool = True) -> None:
         """The closing steps of every way back (a checkpoint, a snapshot, a branch's end): the controller's
         state, the engine onto the trainers' weights, and on the main line controller_state.json, so a
-        controller killed next re-attaches where the session now is."""
+        controller killed next re-attaches where the session now is. Not by a session taken over since: it
+        no longer writes the run."""
         self.load_controller_state(state, metrics)
-        self.workers.sync(version=self.step_count)
-        if self.current_branch is None:
-            self.rundir.write_state(self.controller_state())
+        try:
+            self.workers.sync(version=self.step_count)
+        finally:  # a failed push is caught up at the next one; the file follows the controller regardless
+            if self.current_branch is None and self.lease.holds():
+                self.rundir.write_state(self.controller_state())
 
     # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop this session's workers (and an embedded Ray it started). Files stay."""
+        """Stop this session's workers (and an embedded Ray it started). Files stay. A background run stops
+        first, once the step under way is done and recorded."""
         if self.state == "closed":
             return
         if self.background is not None and not self.background.done:
-            self.background.stop()
+            self.background.stop_and_wait()  # the step under way ends first
         if hasattr(self, "metrics"):
             self.metrics.close()
         if hasattr(self, "workers"):

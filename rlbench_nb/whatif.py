@@ -3,10 +3,10 @@ whatif.snapshot`), so session.py stays the phases. Rewards, environments and RL 
 settings changed on the live session, snapshots (snapshots.py), branches, forks, replays and comparisons
 (branches.py, widgets/comparison.py).
 
-    @self.policy_loss
+    @sess.policy_loss
     def reinforce(logprobs_BR, old_logprobs_BR, advantages_BR, mask_BR, *, cfg): ...
-    b = self.fork("reinforce", 20, "algo.policy_loss=reinforce")
-    self.compare(b, self.fork("ppo", 20))
+    b = sess.fork("reinforce", 20, "algo.policy_loss=reinforce")
+    sess.compare(b, sess.fork("ppo", 20))
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def set_env(self: Session, env_cls) -> type:
 
 
 def advantage(self: Session, fn: Callable) -> Callable:
-    """Register an advantage estimator under its function's name (a decorator: `@self.advantage`);
+    """Register an advantage estimator under its function's name (a decorator: `@sess.advantage`);
     `algo.advantage=<name>` then uses it (in `configure`, a branch, or a config loaded afterwards).
 
     Signature: `fn(rewards_BR, mask_BR, *, group_ids, values_BR=None, cfg) -> (advantages_BR,
@@ -66,7 +66,7 @@ def advantage(self: Session, fn: Callable) -> Callable:
 
 
 def policy_loss(self: Session, fn: Callable) -> Callable:
-    """Register a per-token policy loss under its function's name (a decorator: `@self.policy_loss`) and
+    """Register a per-token policy loss under its function's name (a decorator: `@sess.policy_loss`) and
     ship it to every policy worker; `algo.policy_loss=<name>` then uses it.
 
     Signature: `fn(logprobs_BR, old_logprobs_BR, advantages_BR, mask_BR, *, cfg) -> loss_BR` or
@@ -107,7 +107,7 @@ def apply_config(self: Session, cfg: Config) -> None:
 
 def snapshot(self: Session, to_disk: bool = False):
     """Everything a step depends on, kept in the workers' memory (or in RUN_DIR/snapshots with
-    `to_disk=True`): `self.restore(snap)` comes back to exactly this point."""
+    `to_disk=True`): `sess.restore(snap)` comes back to exactly this point."""
     from . import snapshots
     with self._phase("snapshot"):
         return snapshots.take(self, to_disk)
@@ -123,7 +123,7 @@ def restore(self: Session, snap) -> Session:
 
 
 def branch(self: Session, name: str, *overrides: str, reward: Callable | None = None):
-    """`with self.branch("clip-0.28", "algo.clip_high=0.28") as b: b.run(20)`: a variant from this point,
+    """`with sess.branch("clip-0.28", "algo.clip_high=0.28") as b: b.run(20)`: a variant from this point,
     then back to the main line exactly as it was (branches.py)."""
     from .branches import branch
     return branch(self, name, overrides, reward)

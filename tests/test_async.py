@@ -91,3 +91,37 @@ def _sync_sampler_after(small_cfg, steps: int) -> dict:
     state = sess.sampler.state_dict()
     sess.close()
     return state
+
+
+def test_close_during_a_background_run_ends_it_stopped_at_a_step_boundary(small_cfg):
+    """close() while a background run steps the session waits for the step under way, so the run ends
+    "stopped" with every finished step recorded (it ended "failed: cannot evaluate" when the workers closed
+    under it); a run() after close() says the session is closed, not that another session took it over."""
+    import asyncio
+
+    sess = rl.Session(small_cfg("run.tensorboard=false", "run.eval_every=0"))
+
+    async def close_mid_run():
+        run = sess.run(steps=500, background=True)
+        while sess.step_count < 2:
+            await asyncio.sleep(0.02)
+        sess.close()
+        await run
+        return run
+
+    run = asyncio.run(close_mid_run())
+    assert run.state == "stopped" and run.error is None and sess.state == "closed"
+    assert 2 <= sess.step_count < 500 and [r["step"] for r in sess.history] == list(range(1, sess.step_count + 1))
+    with pytest.raises(rl.SessionStateError, match="cannot run: the session is closed"):
+        sess.run(steps=1)
+
+    sess = rl.Session(small_cfg("run.tensorboard=false"))
+
+    async def close_at_once():  # in the same cell as the start: the loop never begins
+        run = sess.run(steps=5, background=True)
+        sess.close()
+        await run
+        return run
+
+    run = asyncio.run(close_at_once())
+    assert run.state == "stopped" and sess.step_count == 0

@@ -391,10 +391,34 @@ def test_a_full_disk_is_named_the_partial_save_removed_and_nothing_written_lost(
                         f.flush()
                 except OSError:
                     pass
-            with pytest.raises(rl.RLBenchError, match="no space left on its file system"):
+            with pytest.raises(rl.RLBenchError, match=r"no space left on its file system.*update was applied but "
+                                                      r"not recorded.*sess.resync\(\)"):
                 for _ in range(20):
                     sess.step()
+            # the trainers moved, the step is not on disk: refused until resync, never `ready` with counts apart
+            assert sess.state == "needs_resync"
+            with pytest.raises(rl.SessionStateError, match=r"call sess.resync\(\)"):
+                sess.step()
             filler.unlink()
+            sess.resync()  # back to "one"
+            policy = sess.groups["policy"].workers[0]
+            assert policy.adam_steps() == sess.step_count == len(sess.history) == 1
+            sess.step()
+            assert policy.adam_steps() == sess.step_count == len(sess.history) == 2
+            # the run directory turns read-only (a remount, an NFS hiccup; here a read-only bind mount over it,
+            # files already open keep writing): the same, with the cause named
+            run = small / "run"
+            subprocess.run(["mount", "--bind", str(run), str(run)], check=True)
+            try:
+                subprocess.run(["mount", "-o", "remount,ro,bind", str(run)], check=True)
+                with pytest.raises(rl.RLBenchError, match=r"Read-only file system.*update was applied but not "
+                                                          r"recorded"):
+                    sess.step()
+                assert sess.state == "needs_resync" and policy.adam_steps() == 3
+            finally:
+                subprocess.run(["umount", "-l", str(run)], check=True)
+            sess.resync()
+            assert policy.adam_steps() == sess.step_count == len(sess.history) == 1
             sess.step()
         rows = read_jsonl(small / "run" / "metrics.jsonl")
         steps = [r["step"] for r in rows if "reward/mean" in r]

@@ -76,21 +76,9 @@ def test_two_fsdp_ranks_match_one_rank(ray_cluster, small_cfg):
         for k in w1:
             assert (w1[k] - w2[k]).norm() <= 0.02 * (w1[k] - start[k]).norm() + 1e-7, k
 
-    # a worker's error, raised on a rank: named by role, rank, method and the line that raised
+    # the engine changes with a push, and not before it
     sess.restore(snap)  # whole rows again
     snap.release()
-    batch = sess.score(sess.rollout())
-    del batch.tensors["prompt_ids_BP"]
-    with pytest.raises(WorkerError) as e:
-        sess.groups["policy"].call_shards(PolicyWorker.compute_logprobs, batch)
-    err = e.value
-    assert err.role == "policy" and err.method == "compute_logprobs" and err.rank in (0, 1)
-    assert "KeyError" in str(err) and "batch has no field 'prompt_ids_BP'" in str(err)
-    assert "rlbench_nb/roles/policy.py" in err.frame and 'batch["prompt_ids_BP"]' in err.frame
-    assert "Traceback (most recent call last)" in err.remote_traceback
-    assert "RayTaskError" not in str(err)
-
-    # the engine changes with a push, and not before it
     sess.configure("train.lr=1e-2")
     probe = sess.prompts.encode(sess.test_data.rows[:16], 1, "probe")
     greedy = sess.cfg.rollout.model_copy(update={"temperature": 0.0})
@@ -106,6 +94,20 @@ def test_two_fsdp_ranks_match_one_rank(ray_cluster, small_cfg):
     assert stats["sync/bytes"] > 2_000_000 and stats["sync/s"] > 0
     after = generate()
     assert after.shape != before.shape or not torch.allclose(after, before)
+
+    # a worker's error, raised on a rank: named by role, rank, method and the line that raised
+    # (called directly: prepare would call the reference's forward beside it, which fails the same way; errors
+    # through a phase are test_dead_worker_is_named_and_the_role_restarts's)
+    batch = sess.score(sess.rollout())
+    del batch.tensors["prompt_ids_BP"]
+    with pytest.raises(WorkerError) as e:
+        sess.groups["policy"].call_shards(PolicyWorker.compute_logprobs, batch)
+    err = e.value
+    assert err.role == "policy" and err.method == "compute_logprobs" and err.rank in (0, 1)
+    assert "KeyError" in str(err) and "batch has no field 'prompt_ids_BP'" in str(err)
+    assert "rlbench_nb/roles/policy.py" in err.frame and 'batch["prompt_ids_BP"]' in err.frame
+    assert "Traceback (most recent call last)" in err.remote_traceback
+    assert "RayTaskError" not in str(err)
     sess.close()
 
 

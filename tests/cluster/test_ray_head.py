@@ -205,9 +205,9 @@ def test_the_embedded_cluster_refuses_a_client_without_its_token(tmp_path):
     closes, and closing stops the embedded cluster it started: no Ray process is left."""
     assert not wait_no_ray_processes(), "Ray processes from an earlier test are still running"
     addr, go = tmp_path / "gcs", tmp_path / "go"
-    owner = subprocess.Popen([sys.executable, "-c", EMBEDDED, str(addr), str(go), *SMALL, f"run.dir={tmp_path}",
-                              "cluster.backend=ray", "run.tensorboard=false"], cwd=REPO,
-                             stdout=(tmp_path / "out").open("w"), stderr=(tmp_path / "err").open("w"))
+    with (tmp_path / "out").open("w") as out, (tmp_path / "err").open("w") as err:
+        owner = subprocess.Popen([sys.executable, "-c", EMBEDDED, str(addr), str(go), *SMALL, f"run.dir={tmp_path}",
+                                  "cluster.backend=ray", "run.tensorboard=false"], cwd=REPO, stdout=out, stderr=err)
     try:
         deadline = time.time() + 180
         while not addr.exists() or not addr.read_text():
@@ -230,8 +230,9 @@ def test_the_embedded_cluster_refuses_a_client_without_its_token(tmp_path):
         assert owner.wait(timeout=300) == 0, (tmp_path / "err").read_text()[-2000:]
         assert "policy       rank 0  pool=default node=" in (tmp_path / "out").read_text()
         assert not wait_no_ray_processes(), "close() must stop the embedded cluster it started"
-    finally:
-        if owner.poll() is None:  # a failure above: stop what the owner started (its cluster only runs here)
+    finally:  # after a failure above: stop the owner and what it started (its cluster is the only one here)
+        if owner.poll() is None:
             owner.kill()
             owner.wait()
+        if ray_processes():
             subprocess.run([RAY_CLI, "stop", "--force"], timeout=180, capture_output=True)

@@ -27,6 +27,15 @@ def picky(prompt, response, answer):
     return float(response == answer)
 
 
+def test_a_reward_float32_cannot_hold_is_named_at_scoring_time():
+    """1e39 is a valid Python float but inf in the float32 batch: the step would be skipped later as a
+    "non-finite loss", far from its cause. The sample scores 0 and its error names the value."""
+    out = RewardWorker(lambda prompt, response, answer: 1e39 if prompt == "2+2=" else -3.0e38).score(batch())
+    assert out["scores_B"].tolist() == pytest.approx([-3.0e38, 0.0, -3.0e38, -3.0e38, -3.0e38])
+    assert torch.isfinite(out["scores_B"]).all()
+    assert "returned 1e+39, beyond float32's range" in out["reward_error"][1] and "sample 1" in out["reward_error"][1]
+
+
 def test_bad_samples_score_zero_with_the_error_and_the_rest_scores():
     out = RewardWorker(picky).score(batch())
     assert out["scores_B"].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]

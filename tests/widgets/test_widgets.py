@@ -189,6 +189,7 @@ def test_inspector_on_saved_rollouts_escapes_content(small_cfg, tmp_path):
 def test_background_failure_shows_in_the_dashboard_and_is_raised_next_time(small_cfg, monkeypatch):
     import asyncio
     sess = rl.Session(small_cfg("run.tensorboard=false"))
+    sess.save("start")
     dash = sess.dashboard()
 
     def broken(*a, **k):
@@ -205,7 +206,11 @@ def test_background_failure_shows_in_the_dashboard_and_is_raised_next_time(small
     with pytest.raises(RuntimeError, match="the background run failed at step 1: WorkerError: policy rank 0"):
         sess.run(steps=1, progress=False)
     monkeypatch.undo()
-    assert sess.run(steps=1, progress=False)["steps"] == 1  # raised once, then the session carries on
+    # raised once; the update failed half-way, so the session asks for a resync (a run() once skipped that)
+    with pytest.raises(rl.SessionStateError, match=r"cannot run: .* call sess.resync\(\)"):
+        sess.run(steps=1, progress=False)
+    sess.resync()
+    assert sess.run(steps=1, progress=False)["steps"] == 1  # then the session carries on
 
 
 def _episode_batch(tok):
