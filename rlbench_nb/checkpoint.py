@@ -62,24 +62,55 @@ def restore(sess: Session, path: Path) -> None:
     """Bring `sess` to the checkpoint at `path` (a folder from `resolve`, so verified): trainer weights and
     optimizers, the rollout engine's weights and RNG, the controller's state, the metrics history.
     Everything that can be checked is checked before any worker is touched."""
-    from .config import Config
     groups = sess.workers.groups
     states = load_tensors(path / "rollout_state.pt")  # one per rollout rank
     if len(states) != groups["rollout"].world_size:
         raise CheckpointError(f"checkpoint {path} has {len(states)} rollout rank(s); this session has "
                               f"{groups['rollout'].world_size}: set cluster.rollout_ranks to match")
     controller = read_json(path / "controller.json")
-    saved = Config.load(path / "config.yaml")
-    for section in ("model", "task"):  # what decides the weights' shapes
-        if getattr(saved, section) != getattr(sess.cfg, section):
-            raise CheckpointError(f"checkpoint {path} was saved with another '{section}' section than this "
-                                  f"session's: load it into a session made from its own config.yaml")
+    check_config(path, sess.cfg)
     groups["policy"].call(PolicyWorker.load, str(path / "policy"))
     if "critic" in groups:
         groups["critic"].call(CriticWorker.load, str(path / "critic"))
     groups["rollout"].call_each(RolloutWorker.set_state, [(s,) for s in states])
     sess.return_to(controller)
     sess.last_saved_step = sess.step_count
+
+
+def locate(run_dir: Path, name: str | Path | None) -> Path:
+    """What `sess.load(name)` means: None, the run directory (its latest checkpoint); a plain name of one of
+    this run's checkpoints, that one (a folder of that name in the working directory does not shadow it);
+    anything else, a folder."""
+    if name is None:
+        return Path(run_dir)
+    if isinstance(name, str) and "/" not in name and (Path(run_dir) / "checkpoints" / name).is_dir():
+        return Path(run_dir) / "checkpoints" / name
+    return Path(name) if Path(name).exists() else checkpoint_path(run_dir, str(name))
+
+
+def check_config(path: Path, cfg) -> None:
+    """The checkpoint at `path` fits a session made from `cfg`: its `model` and `task` sections, which decide
+    the weights' shapes (LoRA or not, which model), are `cfg`'s. Else the error names each setting that
+    differs, so `Session.load` refuses before it claims a run directory or starts a worker."""
+    from .config import Config
+    saved = Config.load(path / "config.yaml")
+    diffs = [f"{section}.{key} is {old!r} there, {new!r} here" for section in ("model", "task")
+             for key, old, new in _differences(getattr(saved, section).model_dump(),
+                                               getattr(cfg, section).model_dump())]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} was saved with other weights' settings than this session's: "
+                              f"{'; '.join(diffs)}. Set them as the checkpoint has them, or load it into a session "
+                              f"made from its own config.yaml (rl.Session.load('{path}'))")
+
+
+def _differences(saved: dict, current: dict, prefix: str = ""):
+    """(dotted key, saved value, current value) for each leaf setting that differs."""
+    for key in sorted(saved.keys() | current.keys()):
+        old, new = saved.get(key), current.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            yield from _differences(old, new, f"{prefix}{key}.")
+        elif old != new:
+            yield f"{prefix}{key}", old, new
 
 
 def export_weights(path: str | Path, out: str | Path) -> Path:

@@ -268,6 +268,9 @@ class DataConfig(_Section):
     """JSONL or Parquet file of training prompts; null: the task's split."""
     test_path: str | None = None
     """JSONL or Parquet file of held-out prompts; null: the task's split."""
+    test_size: int | None = Field(None, ge=1)
+    """Evaluate on the first N held-out rows only (null: all of them): a greedy pass over 1,319 GSM8K questions
+    takes hours on a CPU."""
     prompt_key: str = "prompt"
     """Row field holding the prompt text; other fields reach the reward function."""
     max_prompt_len: int = Field(32, ge=1)
@@ -278,6 +281,9 @@ class DataConfig(_Section):
     """Reshuffle the training prompts every epoch (seeded)."""
     chat_template: bool = True
     """Wrap prompts with the tokenizer's chat template when it has one."""
+    system_prompt: str | None = None
+    """A system message before every prompt (with the chat template; without one, its text and a blank line
+    before the prompt). null: the template's own default, if it has one."""
 
 
 class RolloutConfig(_Section):

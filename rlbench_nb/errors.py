@@ -73,4 +73,10 @@ def write_failure(path: Path, error: BaseException) -> str:
     if disk_full(error, path.parent):
         return (f"could not write {path}: no space left on its file system ({free_bytes(path.parent) / 2**20:.1f} "
                 f"MiB free; {error}). Free some space (or point run.dir elsewhere) and continue")
+    if isinstance(error, OSError) and error.errno == errno.EROFS:
+        return (f"could not write {path}: its file system is read-only ({error}): remount it writable, or "
+                "point run.dir at a writable folder")
+    if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM):
+        return (f"could not write {path}: no permission ({error}): make the folder writable for this user, or "
+                "point run.dir at a folder you own")
     return f"could not write {path}: {type(error).__name__}: {error}"

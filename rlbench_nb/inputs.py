@@ -56,6 +56,9 @@ def _dataset(cfg: Config, prompts: PromptCodec, path: str | None, builtin: list[
         numbered, problems = read_rows(path)
         source = str(path)
     else:
-        numbered, problems, source = list(enumerate(builtin)), [], f"{cfg.task.name}/{split}"
+        numbered, problems, source = list(enumerate(builtin, start=1)), [], f"{cfg.task.name}/{split}"
+    if split == "test" and d.test_size is not None:  # the file's first rows (numbered from 1), good or bad
+        numbered = [(n, row) for n, row in numbered if n <= d.test_size]
+        problems = [p for p in problems if p.row <= d.test_size]
     return validate_rows(numbered, d.prompt_key, d.max_prompt_len, lambda p: len(prompts.prompt_ids(p)),
                          source, problems, max_chars_per_token=prompts.max_chars_per_token)

@@ -305,6 +305,10 @@ class ProcessCalls:
                         child.stop()
         return [results.get(i, _timed_out(timeout_s)) for i in range(len(calls))]
 
+    def pids(self) -> list[int]:
+        """The pool's live processes (their memory is the reward role's: metrics/memory.py)."""
+        return [c.proc.pid for c in self._children if c.proc.poll() is None]
+
     def _replace(self, child: _Child) -> None:
         child.kill()
         self._children[self._children.index(child)] = self._child()

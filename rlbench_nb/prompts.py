@@ -68,7 +68,7 @@ class PromptCodec:
                               "end: set tokenizer.eos_token in its tokenizer_config.json (a chat model's end-of-turn "
                               "token, e.g. <|im_end|>)")
         if data.chat_template and getattr(tokenizer, "chat_template", None):
-            check_chat_template(tokenizer)
+            check_chat_template(tokenizer, data.system_prompt)
 
     @cached_property
     def max_chars_per_token(self) -> int:
@@ -77,12 +77,11 @@ class PromptCodec:
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """The prompt's token ids, wrapped in the tokenizer's chat template when it has one (data.chat_template)."""
-        tok = self.tokenizer
+        tok, system = self.tokenizer, self.data.system_prompt
         if self.data.chat_template and getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True)
+            text = tok.apply_chat_template(messages(prompt, system), tokenize=False, add_generation_prompt=True)
             return tok(text, add_special_tokens=False)["input_ids"]
-        return tok(prompt)["input_ids"]
+        return tok(prompt if system is None else f"{system}\n\n{prompt}")["input_ids"]
 
     def encode(self, rows: list[dict], n: int, tag: str) -> Batch:
         """Rows repeated n times, prompts tokenised (once per row) and left-padded. Samples of one row share
@@ -109,22 +108,33 @@ class PromptCodec:
         return batch.replace(response=text, response_len_B=mask.sum(-1))
 
 
+def messages(prompt: str, system: str | None = None) -> list[dict]:
+    """The conversation a prompt is: the user's turn, after a system message when one is set."""
+    return ([{"role": "system", "content": system}] if system is not None else []) + \
+        [{"role": "user", "content": prompt}]
+
+
 PROBE = "Probe question 7 + 5 = ?"
 
 
-def check_chat_template(tokenizer) -> None:
+def check_chat_template(tokenizer, system: str | None = None) -> None:
     """The tokenizer's chat template must keep the user's prompt (a template written for other message keys
-    or roles renders nothing of it, and every rollout would then answer an empty conversation)."""
+    or roles renders nothing of it, and every rollout would then answer an empty conversation), and the
+    system prompt when one is set (some templates refuse a system role, others drop it)."""
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": PROBE}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages(PROBE, system), tokenize=False, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 - jinja2 raises its own TemplateError family
-        raise ConfigError(f"the chat template of {tokenizer.name_or_path} fails on a plain user message "
-                          f"({type(e).__name__}: {e}): fix the template, or set data.chat_template=false") from None
+        what = "a plain user message" if system is None else "a system message (data.system_prompt)"
+        raise ConfigError(f"the chat template of {tokenizer.name_or_path} fails on {what} ({type(e).__name__}: "
+                          f"{e}): fix the template, or set data.chat_template=false") from None
     if PROBE not in text:
         raise ConfigError(f"the chat template of {tokenizer.name_or_path} drops the prompt: a user message "
                           f"{PROBE!r} renders as {text[:120]!r}: fix the template (it must write "
                           "message['content']), or set data.chat_template=false to send prompts as they are")
+    if system is not None and system.strip() and system.strip() not in text:
+        raise ConfigError(f"the chat template of {tokenizer.name_or_path} drops the system message "
+                          f"(data.system_prompt): put the instruction into the prompts instead, or set "
+                          "data.chat_template=false")
 
 
 def generate_inputs(batch: Batch) -> Batch:

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -25,6 +26,7 @@ from .data.batch import SHOWN_FIELDS, Batch
 from .errors import RLBenchError, RunDirError, SessionStateError, write_failure
 
 LEASE_TTL_S = 900.0  # a holder on another machine that has not renewed for this long is taken as gone
+_RELEASED: set[str] = set()  # tokens of leases this process gave up, whether or not their file could go
 
 
 class RunInUseError(RLBenchError, RuntimeError):
@@ -46,7 +48,10 @@ def fresh_run_dir(cfg: Config) -> Path:
 class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path).absolute()  # recorded absolute: a later cwd (a notebook's folder) changes nothing
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunDirError(e.errno, write_failure(self.path, e)) from None
 
     @property
     def name(self) -> str:
@@ -57,7 +62,7 @@ class RunDir:
         return self.path / "checkpoints"
 
     def write_config(self, cfg: Config) -> None:
-        cfg.save(self.path / "config.yaml")
+        write_text(self.path / "config.yaml", cfg.to_yaml())
 
     def write_state(self, state: dict) -> None:
         """controller_state.json, replaced atomically: what `Session.attach` reads after a controller dies."""
@@ -79,19 +84,26 @@ class RunDir:
                 for row in rollout_rows(batch):
                     f.write(json.dumps(row, default=str) + "\n")
         except OSError as e:  # no half file left to be read as the step's samples
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
             raise RunDirError(e.errno, write_failure(path, e)) from None
         return path
 
 
 def write_json(path: Path, data: dict, indent: int | None = None) -> None:
     """Replace a small JSON file atomically (write a sibling, then rename)."""
+    write_text(path, json.dumps(data, indent=indent))
+
+
+def write_text(path: Path, text: str) -> None:
+    """Replace a small text file atomically; a failure is a RunDirError that says why (errors.write_failure)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(data, indent=indent))
+        tmp.write_text(text)
         tmp.replace(path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only file system refuses even removing nothing
+            tmp.unlink(missing_ok=True)
         raise RunDirError(e.errno, write_failure(path, e)) from None
 
 
@@ -129,6 +141,8 @@ class Lease:
 
     @staticmethod
     def alive(holder: dict) -> bool:
+        if holder.get("token") in _RELEASED:
+            return False
         if holder.get("host") == socket.gethostname():
             return _process_start(holder.get("pid", -1)) == holder.get("start") is not None
         return time.time() - holder.get("renewed", 0) < LEASE_TTL_S
@@ -169,8 +183,12 @@ class Lease:
                                     f"{who}; this session no longer writes it — close it")
 
     def release(self) -> None:
+        """Give the run up. A lease file that cannot be removed (a read-only disk) is still released for this
+        process: `alive` no longer counts its token, so the next session here may take the run."""
+        _RELEASED.add(self.token)
         if self.holds():
-            self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.path.unlink(missing_ok=True)
 
 
 # ---- rollout files: what people read, and what a replay needs --------------------------------------

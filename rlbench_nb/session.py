@@ -73,8 +73,7 @@ class _hybridmethod:
 class Session:
     def __init__(self, cfg: Config | str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                  run_dir: str | Path | None = None, *, take_over: bool = False, _attach: bool = False):
-        """A session on a new run directory (or `run_dir`). A run directory has one writer at a time
-        (rundir.Lease): `take_over=True` takes it from a live session, which then stops writing it."""
+        """A session writing a new run directory (or `run_dir`), its one writer (rundir.Lease; `take_over=True`)."""
         if cfg is None or isinstance(cfg, (str, Path)):
             cfg = Config.load(cfg, overrides)
         elif overrides:
@@ -86,21 +85,22 @@ class Session:
         random.seed(cfg.run.seed)
         # under Ray the task, tokenizer and data load while this thread starts (or joins) the cluster
         cluster.while_connecting(cfg, lambda: self._load_inputs(run_dir))
-        self.rundir = RunDir(run_dir or fresh_run_dir(cfg))
-        self.lease = Lease(self.run_dir)
-        self.lease.acquire(take_over)  # before any worker starts: a refused second controller costs none
-        self.rundir.write_config(cfg)
-        remember_tokenizer(self.run_dir, self.prompts.tokenizer, str(self.task.model_dir))
-        trackers = make_trackers(cfg.run.trackers, self.run_dir, cfg)  # before the workers: a bad setup costs nothing
         if cfg.rollout.engine == "vllm" and cluster.in_process(cfg):
             from .roles.rollout.vllm_engine import import_vllm
             import_vllm()  # a missing install is one clear line before any worker starts
         tok = self.prompts.tokenizer
         specs = role_specs(cfg, str(self.task.model_dir), tok.eos_token_id, tok.pad_token_id, self._inputs.reward_fn,
                            str(self.task.reward_model_dir), in_process=cluster.in_process(cfg))
-        try:
+        self.rundir = RunDir(run_dir or fresh_run_dir(cfg))
+        self.lease = Lease(self.run_dir)
+        self.lease.acquire(take_over)  # before any worker starts: a refused second controller costs none
+        trackers = []
+        try:  # a session that never started holds nothing: its run directory, its tracker runs
+            self.rundir.write_config(cfg)
+            remember_tokenizer(self.run_dir, self.prompts.tokenizer, str(self.task.model_dir))
+            trackers = make_trackers(cfg.run.trackers, self.run_dir, cfg)  # before the workers: a bad one costs none
             self.workers = Workers(cfg, specs, self.name, reward_fn=self._inputs.reward_fn, reattach=_attach)
-        except BaseException:  # a session that never started holds nothing: its run directory, its tracker runs
+        except BaseException:
             for tracker in trackers:
                 tracker.close()
             self.lease.release()
@@ -499,11 +499,7 @@ class Session:
     def _load_into(self, name: str | Path | None = None) -> Session:
         """Restore this session to a checkpoint: a name in this run, a folder, or (None) the latest."""
         with self._phase("load", changes_state=True, repairs=True):
-            if name is None:
-                path = self.run_dir
-            else:
-                path = Path(name) if Path(name).exists() else checkpoint.checkpoint_path(self.run_dir, str(name))
-            checkpoint.restore(self, checkpoint.resolve(path))
+            checkpoint.restore(self, checkpoint.resolve(checkpoint.locate(self.run_dir, name)))
         return self
 
     @classmethod
@@ -514,6 +510,7 @@ class Session:
         live session writes that run, unless `take_over`)."""
         path = checkpoint.resolve(Path(path))
         cfg = Config.load(path / "config.yaml", overrides)
+        checkpoint.check_config(path, cfg)  # an override that does not fit its weights: refused before any write
         sess = cls(cfg, run_dir=Path(run_dir) if run_dir else path.parent.parent, take_over=take_over)
         try:
             checkpoint.restore(sess, path)
@@ -561,16 +558,18 @@ class Session:
             return
         if self.background is not None and not self.background.done:
             self.background.stop_and_wait()  # the step under way ends first
-        if hasattr(self, "metrics"):
-            self.metrics.close()
-        if hasattr(self, "workers"):
-            for key in self.workers.held_snapshots:  # files of snapshots on disk (memory goes with the workers)
-                shutil.rmtree(self.run_dir / "snapshots" / key, ignore_errors=True)
-            self.workers.close()
-        cluster.disconnect(self.cfg)
-        if hasattr(self, "lease"):
-            self.lease.release()
-        self.state = "closed"
+        try:  # a metrics file that cannot be flushed (a full disk) still stops the workers and frees the run
+            if hasattr(self, "metrics"):
+                self.metrics.close()
+        finally:
+            if hasattr(self, "workers"):
+                for key in self.workers.held_snapshots:  # snapshots' files (their memory goes with the workers)
+                    shutil.rmtree(self.run_dir / "snapshots" / key, ignore_errors=True)
+                self.workers.close()
+            cluster.disconnect(self.cfg)
+            if hasattr(self, "lease"):
+                self.lease.release()
+            self.state = "closed"
         if hasattr(self, "metrics"):
             self.metrics.notify(None)  # views say so
 

@@ -13,6 +13,10 @@ def test_shipped_configs_load():
     rm = Config.load(REPO / "configs/arith_ppo_rm.yaml")  # the learned reward alone: the verifier only measures
     assert rm.uses_critic and rm.reward.model.path == "task" and rm.reward.rule_weight == 0
     assert not Config.load(REPO / "configs/arith_grpo.yaml").uses_critic
+    for path in sorted((REPO / "configs").glob("*.yaml")):  # every shipped file, as a user would load it
+        assert Config.load(path).run.name == path.stem.replace("_", "-"), path.name
+    real = Config.load(REPO / "configs/gsm8k_smollm2_cpu.yaml")  # its system prompt keeps the example's lines
+    assert real.data.system_prompt.endswith("So he paid 20*5.5=$110\n#### 110") and real.data.test_size == 32
 
 
 def test_overrides_are_typed_and_applied():

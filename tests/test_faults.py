@@ -280,6 +280,19 @@ def test_a_failed_in_place_load_leaves_the_session_as_it_was(small_cfg, tmp_path
         assert sess.state == "ready" and sess.step()["update/skipped"] == 0
 
 
+def test_a_checkpoint_name_means_this_runs_even_beside_a_folder_of_that_name(tmp_path, monkeypatch):
+    """sess.load("one") loaded ./one when the working directory held a folder of that name."""
+    from rlbench_nb.checkpoint import locate
+    run = tmp_path / "run"
+    (run / "checkpoints" / "one").mkdir(parents=True)
+    (tmp_path / "one").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert locate(run, "one") == run / "checkpoints" / "one"
+    assert locate(run, None) == run  # the run's latest
+    assert locate(run, tmp_path / "one") == tmp_path / "one"  # a path stays a path
+    assert locate(run, "./one").resolve() == tmp_path / "one"
+
+
 def test_a_torn_metrics_line_does_not_swallow_the_next_row(small_cfg, tmp_path):
     with rl.Session(small_cfg("run.tensorboard=false"), run_dir=tmp_path / "run") as sess:
         sess.step()
@@ -415,6 +428,12 @@ def test_a_full_disk_is_named_the_partial_save_removed_and_nothing_written_lost(
                                                           r"recorded"):
                     sess.step()
                 assert sess.state == "needs_resync" and policy.adam_steps() == 3
+                # a new session or load there is refused in words, not a raw OSError, and claims nothing
+                with pytest.raises(rl.RLBenchError, match=r"read-only.*point run.dir at a writable folder"):
+                    rl.Session(small_cfg("run.tensorboard=false"), run_dir=run / "another")
+                with pytest.raises(rl.RLBenchError, match=r"owner.json: its file system is read-only"):
+                    rl.Session.load(run, take_over=True)
+                assert sess.lease.holds()
             finally:
                 subprocess.run(["umount", "-l", str(run)], check=True)
             sess.resync()

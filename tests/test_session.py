@@ -242,8 +242,12 @@ def test_jsonl_dataset_with_some_bad_rows_trains(small_cfg, tmp_path):
     rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(20)]
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join([json.dumps(r) for r in rows] + ['{"answer": "3"}', "not json"]) + "\n")
-    sess = rl.Session(small_cfg(f"data.train_path={path}"))
+    (tmp_path / "test.jsonl").write_text(path.read_text())
+    sess = rl.Session(small_cfg(f"data.train_path={path}", f"data.test_path={tmp_path / 'test.jsonl'}",
+                                "data.test_size=21"))
     assert len(sess.train_data) == 20 and [p.row for p in sess.train_data.problems] == [21, 22]
+    # data.test_size: the file's first 21 rows, the bad one among them reported, the one after not read
+    assert len(sess.test_data) == 20 and [p.row for p in sess.test_data.problems] == [21]
     batch = sess.rollout()
     assert set(batch["prompt"]) <= {r["prompt"] for r in rows}
     sess.update(sess.prepare(sess.score(batch)))

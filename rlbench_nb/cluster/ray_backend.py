@@ -106,9 +106,8 @@ def _lost_cluster_error() -> ClusterError | None:
         return ClusterError(f"lost the Ray cluster at {address}: its head no longer answers, so every worker is "
                             "gone. Start the cluster again and continue from the latest checkpoint: "
                             "Session.load(run_dir) in Python, or `rlbench-nb train --resume RUN_DIR`")
-    except Exception:
+    except Exception:  # anything else: the head may be fine; the caller reports the worker's own error
         return None
-    return None
 
 
 def shutdown_if_ours() -> None:
@@ -363,9 +362,10 @@ class RayWorkerGroup:
         last = self.memory.get(rank, {})
         oom = (f" It ran out of memory (last reported {last.get('rss_gb', 0.0):.2f} GB resident): "
                f"{OOM_KNOBS}.") if is_out_of_memory(e) else ""
+        back = " (from the last checkpoint; none saved: a new session)" if self.role in ("policy", "critic") else ""
         return WorkerDiedError(self.role, rank, method, f"the worker process died (pid "
                                f"{self.info.get(rank, {}).get('pid', '?')}): {str(e).splitlines()[0]}.{oom} "
-                               f"Restart the role with sess.restart('{self.role}'), or run(..., "
+                               f"Restart the role with sess.restart('{self.role}'){back}, or run(..., "
                                f"on_failure='restore')")
 
     def _first_death(self, pending: list, index: dict, method: str) -> ClusterError | WorkerDiedError | None:

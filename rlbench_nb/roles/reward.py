@@ -93,7 +93,8 @@ class RewardWorker:
         return Batch({"scores_B": torch.tensor(scores, dtype=torch.float32)}, {"reward_error": errors})
 
     def memory(self) -> dict:
-        return memory_snapshot()
+        """This process's memory and its isolation pool's (reward.isolation=process)."""
+        return memory_snapshot(self._processes.pids() if self._processes is not None else ())
 
     def close(self) -> None:
         if self._processes is not None:

@@ -68,3 +68,25 @@ def test_a_session_on_a_broken_model_folder_writes_nothing(small_cfg, tmp_path):
     with pytest.raises(ConfigError, match="has no tokenizer"):
         rl.Session(small_cfg(f"model.path={model}"))
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_system_prompt_goes_before_each_prompt_or_is_refused_where_the_template_loses_it(tmp_path):
+    """data.system_prompt: a system turn before the user's (SmolLM2's template writes its own default system
+    turn only when none is given); without a chat template, its text and a blank line before the prompt."""
+    tok = make_tokenizer(tmp_path)
+    tok.chat_template = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant]{% endif %}")
+    codec = PromptCodec(tok, DataConfig(system_prompt="Answer as '#### N'."))
+    assert tok.decode(codec.prompt_ids("1+2=")) == tok.decode(tok("[system]Answer as '#### N'.[user]1+2=[assistant]",
+                                                                  add_special_tokens=False)["input_ids"])
+    plain = PromptCodec(tok, DataConfig(chat_template=False, system_prompt="Be brief."))
+    assert plain.prompt_ids("1+2=") == tok("Be brief.\n\n1+2=")["input_ids"]
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}"
+                         "{% endfor %}")  # keeps the user's turn only
+    PromptCodec(tok, DataConfig())  # fine without a system prompt
+    with pytest.raises(ConfigError, match=r"drops the system message \(data.system_prompt\)"):
+        PromptCodec(tok, DataConfig(system_prompt="Answer as '#### N'."))
+    tok.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                         "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")  # as Gemma's
+    with pytest.raises(ConfigError, match=r"fails on a system message \(data.system_prompt\).*not supported"):
+        PromptCodec(tok, DataConfig(system_prompt="x"))

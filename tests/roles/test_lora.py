@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import rlbench_nb as rl
+from rlbench_nb import checkpoint
 from rlbench_nb.roles import lora as lora_util
 from rlbench_nb.roles.policy import PolicyWorker, ReferenceWorker
 
@@ -134,6 +135,14 @@ def test_an_adapter_is_refused_on_another_base(small_cfg, tmp_path):
     with pytest.raises(ValueError, match="holds no adapter"):
         policy.load(str(copy))
     sess.close()
+    # loaded with LoRA turned off: refused naming the setting, before a run directory is made or claimed
+    with pytest.raises(rl.CheckpointError, match=r"model\.lora\.r is 4 there, 0 here.*Set them as the "):
+        rl.Session.load(path, run_dir=tmp_path / "plain", overrides=["model.lora.r=0"])
+    assert not (tmp_path / "plain").exists()
+    with pytest.raises(rl.CheckpointError, match=r"model\.lora\.r is 4 there, 0 here"):  # what sess.load(path) checks
+        checkpoint.check_config(path, small_cfg())
+    with rl.Session.load(path) as again:  # the refused loads claimed nothing: the run loads as it was
+        assert again.run_dir == sess.run_dir
 
 
 def test_lora_config_errors_name_the_fix(small_cfg):

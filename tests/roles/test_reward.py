@@ -132,6 +132,32 @@ def test_what_kills_a_process_costs_only_its_sample_under_process_isolation(tmp_
         w.close()
 
 
+HELD = []
+
+
+def holds_memory(prompt, response, answer):
+    """Keeps 400 MB resident in the reward process that runs it (touched, so the pages are real)."""
+    if not HELD:
+        HELD.append(bytearray(b"x") * (400 * 2**20))
+    return float(response == answer)
+
+
+def test_the_reward_memory_metric_counts_its_isolation_processes():
+    """memory/reward_peak_gb read 0.44 GB while the isolated reward processes held 2 GB: the pool's processes
+    are the role's memory too. Each of the 2 processes keeps 400 MB, so the role's figures grow by >= 0.7 GB
+    over this process's own (a margin for the page size and what the interpreter frees)."""
+    w = RewardWorker(holds_memory, RewardConfig(isolation="process", processes=2))
+    try:
+        own = w.memory()
+        w.score(_calls(4))
+        with_pool = w.memory()
+        assert with_pool["rss_gb"] - own["rss_gb"] > 0.7
+        assert with_pool["peak_rss_gb"] - own["peak_rss_gb"] > 0.7
+    finally:
+        w.close()
+    assert w.memory()["rss_gb"] - own["rss_gb"] < 0.3  # closed: the pool's memory is gone with it
+
+
 def test_a_batch_of_hung_calls_costs_one_timeout_and_process_mode_leaves_no_thread_behind():
     import threading
     import time
