@@ -35,10 +35,13 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def summary_table(summary: dict) -> str:
+    from .report import held_out_name
     before, after = summary["accuracy_before"], summary["accuracy_after"]
     rows = [
         ("held-out accuracy",
          f"{before:.3f} -> {after:.3f}  ({after - before:+.3f}, {summary['eval_prompts']} prompts, greedy)"),
+        *[(f"held-out {held_out_name(k)}", f"{b:.3f} -> {a:.3f}  ({a - b:+.3f})")
+          for k, (b, a) in summary.get("eval_before_after", {}).items()],
         ("train reward", f"{summary['reward_first']:.3f} (first steps) -> {summary['reward_last']:.3f} (last steps)"
          if summary["reward_first"] is not None else "-"),
         ("steps", f"{summary['steps']} ({summary['steps_this_run']} this run)"),

@@ -27,6 +27,7 @@ or refuses with the cell and line (`input()`, a parameter named `help`).
 from __future__ import annotations
 
 import ast
+import inspect
 import io
 import json
 import tokenize
@@ -34,6 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import RLBenchError
+from .export_helpers import HELPERS
 
 DROP_TAGS = {"interactive", "remove-cell", "remove_cell", "export-skip"}
 DROPPED_MAGICS = ("%load_ext", "%matplotlib", "%config")
@@ -264,51 +266,19 @@ def _flag_type(value) -> str:
 
 
 def to_script(path: str | Path) -> str:
-    """The notebook at `path` as a runnable script (a string)."""
+    """The notebook at `path` as a runnable script (a string): a header saying where it came from, the
+    imports, the helpers (export_helpers.py), the flags, and `main()` holding the kept cells in order."""
     path = Path(path)
     pcell, kept, dropped = _plan(read_cells(path))
     params, embedded = resolve_files(parse_parameters(pcell) if pcell else [], path.resolve().parent)
-    bodies, is_async, star_imports, global_names = [], False, [], set()
-    for cell in kept:
-        code = _strip_magics(cell)
-        tree = _parse(cell, code)
-        is_async |= _has_top_level_await(tree)
-        hoisted, names_ = _check_cell(replace(cell, source=code), tree)
-        star_imports += [ast.get_source_segment(code, n) for n in hoisted if isinstance(n, ast.ImportFrom)]
-        global_names |= names_
-        bodies.append(f"# ---- cell {cell.index}\n{_hoist(code, hoisted)}")
+    cells = _main_cells(kept)
     names = [p.name for p in params]
-    flags = []
-    for p in params:
-        if p.name == "overrides" and isinstance(p.default, list):
-            flags.append(f"    parser.add_argument('overrides', nargs='*', default={p.default!r}, help='config "
-                         "overrides key=value (default: %(default)s)')")
-        else:
-            flags.append(f"    parser.add_argument('--{p.name.replace('_', '-')}', dest={p.name!r}, "
-                         f"type={_flag_type(p.default)}, default={p.default!r}, "
-                         f"help='default: %(default)s')")
-    header = (f'"""Exported from {path.as_posix()} by `rlbench-nb export` — edit the notebook, not this file.\n\n'
-              f"Parameters: cell {pcell.index if pcell else '-'}; kept cells: {[c.index for c in kept]}; "
-              f"dropped (interactive): {[c.index for c in dropped]}.\n"
-              + (f"Embedded at export (used unless the flag names another file): {sorted(embedded)}.\n"
-                 if embedded else "")
-              + 'Run it with --help for the flags; it runs from any folder.\n"""')
-    body = "\n\n".join(bodies) or "pass"
-    setup = ((f"    global {', '.join(sorted(global_names))}  # declared global by a cell's function\n"
-              if global_names else "") +
-             "    _cli = _parse_args(_argv)\n" +
-             "".join(f"    {n} = _embedded(_cli.{n})\n" if isinstance(p.default, str) and p.default in embedded
-                     else f"    {n} = _cli.{n}\n"
-                     for n, p in zip(names, params)))
     resume = ('"python " + sys.argv[0] + " --resume {run_dir}"' if "resume" in names
               else '"rl.Session.load(\'{run_dir}\') in Python"')
-    if is_async:
-        main = (f"async def _main_async(_argv=None):\n{setup}\n{_indent(body)}\n\n\n"
-                "def main(_argv=None):\n    asyncio.run(_main_async(_argv))\n")
-    else:
-        main = f"def main(_argv=None):\n{setup}\n{_indent(body)}\n"
-    stars = "".join(f"{line}  # from a cell: star imports live at module level\n" for line in star_imports)
-    return f'''{header}
+    stars = "".join(f"{line}  # from a cell: star imports live at module level\n" for line in cells.star_imports)
+    helpers = "\n\n\n".join(inspect.getsource(f).rstrip() for f in HELPERS)
+    flags = "\n".join(_flag_line(p) for p in params) or "    pass"
+    return f'''{_header(path, pcell, kept, dropped, embedded)}
 import argparse
 import asyncio
 import hashlib
@@ -321,52 +291,16 @@ from pathlib import Path
 _EMBEDDED = {embedded!r}
 
 
-def _embedded(value):
-    """A config file the notebook named, as it was at export: written once to a temporary file (named by its
-    content) and that path returned. Any other value (a flag naming another file) is returned as given."""
-    if value not in _EMBEDDED:
-        return value
-    text = _EMBEDDED[value]
-    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    path = Path(tempfile.gettempdir()) / f"rlbench-export-{{digest}}-{{Path(value).name}}"
-    if not path.exists():  # written aside, then renamed: a run never reads half a file
-        tmp = path.with_name(f"{{path.name}}.{{os.getpid()}}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
-    return str(path)
-
-
-def display(*objs, **_):
-    """Notebook display() in a terminal: print each object's text form."""
-    for obj in objs:
-        print(obj)
-
-
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {{text!r}}")
-
-
-def _optional(text: str):
-    """A parameter whose default is None: 'none'/'null' stay None, numbers become numbers, else text."""
-    if text.lower() in ("none", "null", ""):
-        return None
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+{helpers}
 
 
 def _parse_args(argv=None):
     parser = argparse.ArgumentParser(description={("Exported from " + path.name)!r})
-{chr(10).join(flags) if flags else "    pass"}
+{flags}
     return parser.parse_args(argv)
 
 
-{main}
+{_main_function(cells, params, embedded)}
 
 if __name__ == "__main__":
     try:
@@ -378,6 +312,59 @@ if __name__ == "__main__":
             raise SystemExit(130) from None
         save_live_sessions({resume})
 '''
+
+
+@dataclass
+class MainCells:
+    """The kept cells as `main()`'s body, and what they need of the script around it."""
+    bodies: list[str]
+    is_async: bool            # a cell awaits at top level: main() runs an async body
+    star_imports: list[str]   # `from x import *` lines, moved to module level
+    global_names: set[str]    # names a cell's function declares global: global in main() too
+
+
+def _main_cells(kept: list[Cell]) -> MainCells:
+    out = MainCells([], False, [], set())
+    for cell in kept:
+        code = _strip_magics(cell)
+        tree = _parse(cell, code)
+        out.is_async |= _has_top_level_await(tree)
+        hoisted, names = _check_cell(replace(cell, source=code), tree)
+        out.star_imports += [ast.get_source_segment(code, n) for n in hoisted if isinstance(n, ast.ImportFrom)]
+        out.global_names |= names
+        out.bodies.append(f"# ---- cell {cell.index}\n{_hoist(code, hoisted)}")
+    return out
+
+
+def _flag_line(p: Parameter) -> str:
+    if p.name == "overrides" and isinstance(p.default, list):
+        return (f"    parser.add_argument('overrides', nargs='*', default={p.default!r}, help='config "
+                "overrides key=value (default: %(default)s)')")
+    return (f"    parser.add_argument('--{p.name.replace('_', '-')}', dest={p.name!r}, "
+            f"type={_flag_type(p.default)}, default={p.default!r}, help='default: %(default)s')")
+
+
+def _header(path: Path, pcell: Cell | None, kept: list[Cell], dropped: list[Cell], embedded: dict) -> str:
+    return (f'"""Exported from {path.as_posix()} by `rlbench-nb export` — edit the notebook, not this file.\n\n'
+            f"Parameters: cell {pcell.index if pcell else '-'}; kept cells: {[c.index for c in kept]}; "
+            f"dropped (interactive): {[c.index for c in dropped]}.\n"
+            + (f"Embedded at export (used unless the flag names another file): {sorted(embedded)}.\n"
+               if embedded else "")
+            + 'Run it with --help for the flags; it runs from any folder.\n"""')
+
+
+def _main_function(cells: MainCells, params: list[Parameter], embedded: dict) -> str:
+    """`main(_argv)`: the flags read into the notebook's parameter names, then the cells."""
+    setup = ((f"    global {', '.join(sorted(cells.global_names))}  # declared global by a cell's function\n"
+              if cells.global_names else "")
+             + "    _cli = _parse_args(_argv)\n"
+             + "".join(f"    {p.name} = _embedded(_cli.{p.name})\n" if isinstance(p.default, str)
+                       and p.default in embedded else f"    {p.name} = _cli.{p.name}\n" for p in params))
+    body = _indent("\n\n".join(cells.bodies) or "pass")
+    if cells.is_async:
+        return (f"async def _main_async(_argv=None):\n{setup}\n{body}\n\n\n"
+                "def main(_argv=None):\n    asyncio.run(_main_async(_argv))\n")
+    return f"def main(_argv=None):\n{setup}\n{body}\n"
 
 
 def to_percent(path: str | Path) -> str:

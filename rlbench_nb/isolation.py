@@ -49,7 +49,25 @@ FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without i
 
 def as_number(value: Any) -> float:
     """A reward as a float: bools, ints, floats, numpy scalars and one-element tensors/arrays are numbers;
-    NaN, infinities, values float32 cannot hold, None and anything else are errors."""
+    NaN, infinities, values float32 cannot hold, None and anything else are errors. A `Scored` (a float with
+    its `parts`, rewards/scored.py) stays one, each part checked the same way."""
+    parts = getattr(value, "parts", None)
+    number = _as_float(value)
+    if parts is None:
+        return number
+    if not (isinstance(parts, dict) and all(isinstance(k, str) for k in parts)):
+        raise TypeError(f"returned parts {parts!r}, expected a dict of name -> number")
+    checked = {}
+    for name, part in parts.items():
+        try:
+            checked[name] = _as_float(part)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"part '{name}' {e}") from None
+    from .rewards.scored import Scored  # only when a reward has parts: this module stays light
+    return Scored(number, checked)
+
+
+def _as_float(value: Any) -> float:
     if hasattr(value, "item") and hasattr(value, "shape") and math.prod(value.shape) == 1:
         value = value.item()  # numpy scalar or array, torch tensor
     if isinstance(value, bool):  # numpy bools became Python bools through .item() above

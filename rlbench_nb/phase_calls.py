@@ -78,7 +78,8 @@ def rewards(workers: Workers, inputs: Batch, batch: Batch) -> Batch:
     their own workers and combined by weight (reward.rule_weight, reward.model.weight). Episodes (env.fn)
     carry their environment's rewards: those are the scores."""
     if "env_scores_B" in batch:
-        return Batch({"scores_B": batch["env_scores_B"].float()}, {"reward_error": [""] * len(batch)})
+        return Batch({"scores_B": batch["env_scores_B"].float()},
+                     {"reward_error": [""] * len(batch), "reward_parts": [None] * len(batch)})
     rule = workers.groups["reward"]
     if "reward_model" not in workers:
         return rule.call_split(RewardWorker.score, inputs)
@@ -90,6 +91,21 @@ def rewards(workers: Workers, inputs: Batch, batch: Batch) -> Batch:
     scored["rule_scores_B"], scored["rm_scores_B"] = scored["scores_B"], model["rm_scores_B"]
     scored["scores_B"] = w.rule_weight * scored["scores_B"] + w.model.weight * model["rm_scores_B"]
     return scored
+
+
+def scored_batch(batch: Batch, scored: Batch) -> Batch:
+    """`batch` with the rewards of `scored`: re-scoring keeps the earlier reward beside the new one
+    (`scores_before_B`) and drops what was derived from it (advantages: prepare again); `reward_parts` only
+    where the reward has parts (a `Scored`, e.g. `combine`'s), never an earlier function's."""
+    out = batch.replace(scored)
+    if "scores_B" in batch:
+        out["scores_before_B"] = batch["scores_B"]
+    for stale in ("advantages_BR", "returns_BR", "advantage"):
+        out.tensors.pop(stale, None)
+        out.meta.pop(stale, None)
+    if all(p is None for p in out.meta.get("reward_parts", ())):
+        out.meta.pop("reward_parts", None)
+    return out
 
 
 def submit(workers: Workers, role: str, method, batch: Batch) -> tuple[WorkerGroup, Pending]:
@@ -138,7 +154,10 @@ def evaluate(workers: Workers, prompts: PromptCodec, rows: list[dict], params, e
         extra = {}
         generated = rollout.call_split(RolloutWorker.generate, generate_inputs(batch), params)
         batch = prompts.decode(batch.replace(generated))
-        scores = workers.groups["reward"].call_split(RewardWorker.score, reward_inputs(batch))["scores_B"]
-        batch = batch.replace(scores_B=scores)
+        scored = workers.groups["reward"].call_split(RewardWorker.score, reward_inputs(batch))
+        batch = scored_batch(batch, scored.only("scores_B", "reward_parts"))
+        scores = batch["scores_B"]
+        extra = {"eval/response_len": batch["response_len_B"].float().mean().item(),
+                 **compute.part_metrics(batch.meta.get("reward_parts"), "eval")}
     return batch, {"eval/accuracy": (scores >= 1.0).float().mean().item(), "eval/reward_mean": scores.mean().item(),
                    "eval/n": len(rows), **extra}

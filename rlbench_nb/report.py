@@ -99,11 +99,18 @@ def write_report(path: str | Path, run_dir: str | Path, *, history: list[dict], 
     return path
 
 
+def held_out_name(key: str) -> str:
+    """A summary's `eval_before_after` key as people read it: 'part/gsm8k_format' -> 'gsm8k_format'."""
+    return "answer length (tokens)" if key == "response_len" else key.removeprefix("part/")
+
+
 def _summary_html(s: dict) -> str:
     def num(v, fmt=".3f"):
         return format(v, fmt) if isinstance(v, int | float) and not isinstance(v, bool) else "—"
     rows = [("held-out accuracy", f"{num(s.get('accuracy_before'))} → {num(s.get('accuracy_after'))} "
                                   f"({num(s.get('accuracy_gain'), '+.3f')}, {s.get('eval_prompts', '?')} prompts)"),
+            *[(f"held-out {held_out_name(k)}", f"{num(b)} → {num(a)}")
+              for k, (b, a) in (s.get("eval_before_after") or {}).items()],
             ("train reward", f"{num(s.get('reward_first'))} (first steps) → {num(s.get('reward_last'))} (last steps)"),
             ("steps", f"{s.get('steps')} ({s.get('steps_this_run')} in the last run"
                       + (", stopped before its end" if s.get("stopped") else "") + ")"),

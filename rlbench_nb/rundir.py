@@ -275,4 +275,6 @@ def load_rollouts(path: str | Path, pad_id: int | None = None) -> Batch:
     if all("reward" in r for r in rows):
         tensors["scores_B"] = torch.tensor([float(r["reward"]) for r in rows], dtype=torch.float32)
         meta["reward_error"] = [r.get("reward_error") for r in rows]
+        if any(r.get("reward_parts") for r in rows):
+            meta["reward_parts"] = [r.get("reward_parts") for r in rows]
     return Batch(tensors, meta, {"row_fields": row_fields, "source": str(path)})

@@ -260,6 +260,9 @@ def _summary(sess: Session, before: dict, after: dict, wall_s: float, steps: int
         "accuracy_before": before["eval/accuracy"], "accuracy_after": after["eval/accuracy"],
         "accuracy_gain": after["eval/accuracy"] - before["eval/accuracy"],
         "eval_prompts": after["eval/n"],
+        # the held-out answers' length and each part of a combined reward (the share in the asked format)
+        "eval_before_after": {k.removeprefix("eval/"): [before[k], after[k]] for k in after
+                              if k in before and (k.startswith("eval/part/") or k == "eval/response_len")},
         "reward_first": sum(rewards[:k]) / k if rewards else None,
         "reward_last": sum(rewards[-k:]) / k if rewards else None,
         "final_metrics": sess.history[-1] if sess.history else {},

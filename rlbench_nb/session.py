@@ -260,15 +260,10 @@ class Session:
                 values_call = None if self._has_current_values(batch) else phase_calls.start_values(self.workers, batch)
                 scored, (values,) = finish_all(lambda: phase_calls.rewards(self.workers, reward_inputs(batch), batch),
                                                 values_call)
-            out = batch.replace(scored)
+            out = phase_calls.scored_batch(batch, scored)
             if values is not None:
                 out["values_BR"] = Batch.cat(values)["values_BR"]
                 out.info["values_epoch"] = self.guard.epoch
-            if "scores_B" in batch:  # re-scoring: the earlier reward stays beside the new one
-                out["scores_before_B"] = batch["scores_B"]
-            for stale in ("advantages_BR", "returns_BR", "advantage"):
-                out.tensors.pop(stale, None)
-                out.meta.pop(stale, None)
             m.update(compute.reward_metrics(out))
             out.info["metrics"] = m
             if m["reward/errors"]:

@@ -49,3 +49,22 @@ def test_benchmark_script_runs(script, args, tmp_path):
     assert data
     assert any(h in out.stdout for h in ("backend", "mode", "method", "engine", "phase", "controller", "framework",
                                           "layout", "attention"))
+
+
+@pytest.mark.slow
+@pytest.mark.real
+def test_the_real_model_learning_benchmark_trains_a_seed_and_tabulates_it(real_assets, tmp_path):
+    """benchmarks/real_model_learning.py at its smallest: one seed of the README's command for 2 steps, its row
+    read back from the run directory, and the base model and the run's checkpoint on 4 held-out questions."""
+    out = subprocess.run([sys.executable, "benchmarks/real_model_learning.py", "--seeds", "5", "--held-out", "4",
+                          "--root", str(tmp_path), "--json", str(tmp_path / "out.json"), "run.steps=2",
+                          "data.test_size=4", "data.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=16",
+                          "run.save_rollouts_every=1"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads((tmp_path / "out.json").read_text())
+    (run,) = data["runs"]
+    assert run["seed"] == 5 and run["steps"] == 2 and run["eval_n"] == 4 and run["peak_rss_gb"] > 0.3
+    assert all(v is not None and 0 <= v <= 1 for v in run["format"] + run["right"])  # logged by the run itself
+    assert all(0 < v <= 16 for v in run["length"]) and set(run["sampled_format"]) == {"1", "2"}
+    assert data["base"]["n"] == 4 and run["held_out"]["n"] == 4 and data["base"]["length"] > 16  # the config's 96
+    assert "#### N format" in out.stdout and "base" in out.stdout

@@ -13,7 +13,7 @@ import pytest
 from .conftest import REPO
 
 PACKAGE = REPO / "rlbench_nb"
-SESSION_MAX_LINES = 586  # test_the_session_module_does_not_grow_back
+SESSION_MAX_LINES = 581  # test_the_session_module_does_not_grow_back
 
 # layer -> the package's layers it must not import at module level (a function may import lazily, as
 # Session.dashboard() does the widgets)
@@ -182,10 +182,9 @@ LONG_SESSION_METHODS = {"__init__": 55, "prepare": 33}  # a ratchet, as LONG_FUN
 
 # Ratchets for the façade issue's size rules (no function over 60 lines, no module over 400 but config.py):
 # what breaks them today, at most as long as today. Lower a number as its code shrinks; never add a name.
-LONG_FUNCTIONS = {"rlbench_nb/export.py:to_script": 115, "rlbench_nb/roles/rollout/episodes.py:run_episodes": 82,
-                  "rlbench_nb/data/tasks/reward_model.py:build": 71}
+LONG_FUNCTIONS: dict[str, int] = {}  # none left (export.to_script, episodes.run_episodes and reward_model.build split)
 LONG_MODULES = {"rlbench_nb/config.py": 800, "rlbench_nb/session.py": SESSION_MAX_LINES,
-                "rlbench_nb/cluster/ray_backend.py": 500, "rlbench_nb/export.py": 424}
+                "rlbench_nb/cluster/ray_backend.py": 500, "rlbench_nb/export.py": 411}
 
 
 def test_no_new_function_over_60_lines_and_no_new_module_over_400():

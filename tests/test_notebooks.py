@@ -60,8 +60,14 @@ def test_what_if_notebook_replays_forks_compares_and_keeps_one(tmp_path):
                                        f"overrides = {[*SMALL, 'run.tensorboard=false', 'task.num_test=16']!r}")
     assert re.search(r"main line: step 2, held-out accuracy [\d.]+", text)
     assert re.search(r"\d+ of 32 samples will be pushed down", text)
-    for name in ("clip-0.1", "clip-0.28", "clipped-reinforce"):
-        assert re.search(rf"{name}: largest relative weight change \d\.\d\de-\d\d in model\.", text), name
+    found = re.findall(r"(clip-0\.1|clip-0\.28|clipped-reinforce): clipped ([\d.]+|nan) of tokens, largest relative "
+                       r"weight change (\d\.\d\de-\d\d) in model\.", text)
+    replays = {name: (float(clipped), change) for name, clipped, change in found}
+    assert set(replays) == {"clip-0.1", "clip-0.28", "clipped-reinforce"}
+    # the settings act: past the first mini-batch the ratio leaves 1, the tighter range clips more, and the three
+    # updates move the weights differently (one mini-batch on-policy gave three identical rows)
+    assert replays["clip-0.1"][0] > replays["clip-0.28"][0]
+    assert len({change for _, change in replays.values()}) == 3
     assert "still at step 2" in text  # three replays, and the session is where it was
     assert re.search(r"loss/policy\s+[-\d.e]+\s+[-\d.e]+\s+[-\d.e]+", text)  # the comparison table's row
     kept = re.search(r"kept (lr-5e-5|lr-4e-4): step 4, held-out accuracy [\d.]+, lr (5e-05|0.0004)", text)

@@ -1,5 +1,6 @@
 """What a notebook user relies on when re-running cells: phases leave their input alone, re-running one
 moves no hidden state, the session refuses what would interleave, and errors say what they are."""
+import json
 import pickle
 import subprocess
 import sys
@@ -278,3 +279,45 @@ def test_a_step_interrupted_then_run_again_draws_what_a_straight_run_draws(small
     keys = ("reward/mean", "response_len/mean", "loss/policy", "entropy", "actor/grad_norm")
     assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
     sess.close()
+
+
+def test_a_combined_reward_reports_each_part_in_steps_evaluations_files_and_the_report(small_cfg):
+    """combine() keeps each part's own score: the metrics average them (reward/part/*, eval/part/*), the
+    rollout files and the inspector carry them per sample, the summary and the report say held-out before ->
+    after; a plain reward afterwards leaves no stale parts behind."""
+    from rlbench_nb.report import report_from_run_dir
+    from rlbench_nb.rewards import combine
+
+    def right(prompt, response, answer, **_):
+        return float(response.strip() == str(answer))
+
+    def short(prompt, response, **_):
+        return float(len(response.strip()) <= 2)
+
+    with rl.Session(small_cfg("run.tensorboard=false", "run.steps=2")) as sess:
+        sess.reward(combine((right, 1.0), (short, 0.5)))
+        summary = sess.run(progress=False)
+        for row in sess.history:
+            assert row["reward/mean"] == pytest.approx(row["reward/part/right"] + 0.5 * row["reward/part/short"],
+                                                       abs=1e-6)  # every sample has both parts
+        files = sorted((sess.run_dir / "rollouts").glob("step_*.jsonl"))
+        sample = json.loads(files[-1].read_text().splitlines()[0])
+        assert set(sample["reward_parts"]) == {"right", "short"}
+        parts = sample["reward_parts"]
+        assert sample["reward"] == pytest.approx(parts["right"] + 0.5 * parts["short"])
+        inspector = rl.inspect(files[-1])
+        assert inspector.columns[-2:] == ("right", "short")
+        assert len(inspector.add_filter("short", "==", 1).view()) == sum(
+            json.loads(line)["reward_parts"]["short"] == 1 for line in files[-1].read_text().splitlines())
+        first, last = sess.evals[0], sess.evals[-1]
+        assert first["eval/accuracy"] == pytest.approx(first["eval/part/right"], abs=1e-6)  # float32 vs float mean
+        assert summary["eval_before_after"]["part/short"] == [first["eval/part/short"], last["eval/part/short"]]
+        assert summary["eval_before_after"]["response_len"] == [first["eval/response_len"], last["eval/response_len"]]
+
+        @sess.reward
+        def plain(prompt, response, **_):
+            return 1.0
+        rescored = sess.score(sess.rollout())
+        assert "reward_parts" not in rescored.meta and not any("/part/" in k for k in rescored.info["metrics"])
+    page = report_from_run_dir(sess.run_dir).read_text()
+    assert "held-out short" in page and "held-out answer length (tokens)" in page

@@ -49,7 +49,8 @@ from .packed import PackedTensors
 SHOWN_FIELDS = {"prompt": "prompt", "response": "response", "reward": "scores_B",
                 "reward_before": "scores_before_B", "advantage": "advantage", "length": "response_len_B",
                 "reward_error": "reward_error", "reward_model": "rm_scores_B", "reward_rule": "rule_scores_B",
-                "turns": "num_turns_B", "tool_calls": "tool_calls_B", "env_error": "env_error"}
+                "turns": "num_turns_B", "tool_calls": "tool_calls_B", "env_error": "env_error",
+                "reward_parts": "reward_parts"}
 
 
 class Batch:

@@ -27,7 +27,8 @@ class DatasetError(RLBenchError, ValueError):
 # Fields the phases add to a batch. A dataset row may not use these names: its fields reach the reward
 # function as keyword arguments and ride in the batch beside the phases' own, which they would overwrite
 # (a `group` field would regroup GRPO's samples) or be overwritten by (a `response` field).
-RESERVED_FIELDS = frozenset({"response", "group", "reward_error", "advantage", "reward", "length", "score"})
+RESERVED_FIELDS = frozenset({"response", "group", "reward_error", "reward_parts", "advantage", "reward", "length",
+                             "score"})
 _PROGRESS_BYTES = 64 * 2**20  # files larger than this show a progress bar while they load
 
 

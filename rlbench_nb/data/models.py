@@ -132,14 +132,9 @@ def _quiet():
     from unittest import mock
 
     from transformers import modeling_gguf_pytorch_utils as reader
-    from transformers.utils import logging
-    was = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
+
+    from ..ops.attention import no_progress_bars
     plain = (mock.patch.object(reader, "tqdm", lambda items, **_: items) if hasattr(reader, "tqdm")
              else nullcontext())  # another transformers may read without one: nothing to silence then
-    try:
-        with plain:
-            yield
-    finally:
-        if was:
-            logging.enable_progress_bar()
+    with no_progress_bars(), plain:
+        yield

@@ -48,7 +48,18 @@ def reward_metrics(batch: Batch) -> dict:
     return {"reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
             "reward/min": scores.min().item(), "reward/max": scores.max().item(),
             "reward/errors": sum(1 for e in batch["reward_error"] if e),
+            **part_metrics(batch.meta.get("reward_parts"), "reward"),
             **(model_vs_rule(batch) if "rm_scores_B" in batch else {})}
+
+
+def part_metrics(parts: list[dict | None] | None, prefix: str) -> dict:
+    """`<prefix>/part/<name>`: the mean of each part of a `Scored` reward (rewards/scored.py) over the samples
+    that have it (a sample whose reward failed has none), in the order the parts first appear."""
+    sums: dict[str, list[float]] = {}
+    for sample in parts or ():
+        for name, value in (sample or {}).items():
+            sums.setdefault(name, []).append(float(value))
+    return {f"{prefix}/part/{name}": sum(v) / len(v) for name, v in sums.items()}
 
 
 def model_vs_rule(batch: Batch) -> dict:

@@ -18,6 +18,9 @@ position, never read) gets the mean of the values where SDPA gives zeros.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 NAME = "rlbench_cpu"
@@ -83,7 +86,9 @@ def load_model(cls, path: str, attention: str, device: torch.device, **kwargs):
     (sdpa, eager, flash_attention_2, ...); `auto` lets transformers choose, then on a CPU puts NAME where it chose
     SDPA (the same math, call by call). A model transformers runs otherwise (one without SDPA support, e.g.
     attention sinks) keeps its choice, as does a composite model."""
-    model = cls.from_pretrained(path, **kwargs, **({} if attention == "auto" else {"attn_implementation": attention}))
+    chosen = {} if attention == "auto" else {"attn_implementation": attention}
+    with no_progress_bars():
+        model = cls.from_pretrained(path, **kwargs, **chosen)
     # not a composite model (sub-configs: a vision tower, an encoder...): switching it would switch sub-models
     # transformers put on other implementations too
     if (attention == "auto" and device.type == "cpu" and model.config._attn_implementation == "sdpa"
@@ -91,3 +96,18 @@ def load_model(cls, path: str, attention: str, device: torch.device, **kwargs):
         register()
         model.set_attn_implementation(NAME)
     return model
+
+
+@contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' bars ("Loading weights 100% 39/39") off while rlbench-nb loads a model: every role's load
+    would print one into the notebook's output (Ray forwards the actors' stderr there too). Restored after, so a
+    load of your own still shows its bar."""
+    from transformers.utils import logging
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()

@@ -5,6 +5,7 @@ and weighted combinations. Each is a plain `fn(prompt, response, **row) -> float
 """
 from .answers import boxed_answer, equivalent, hashes_answer, last_number, to_number
 from .math import boxed_math, combine, gsm8k, gsm8k_format, gsm8k_with_format, think_format
+from .scored import Scored
 
-__all__ = ["boxed_answer", "boxed_math", "combine", "equivalent", "gsm8k", "gsm8k_format", "gsm8k_with_format",
-           "hashes_answer", "last_number", "think_format", "to_number"]
+__all__ = ["Scored", "boxed_answer", "boxed_math", "combine", "equivalent", "gsm8k", "gsm8k_format",
+           "gsm8k_with_format", "hashes_answer", "last_number", "think_format", "to_number"]

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 
 from .answers import NUMBER_RE, boxed_answer, equivalent, hashes_answer, last_number, to_number
+from .scored import Scored
 
 
 def gsm8k(prompt: str, response: str, answer: str, strict: bool = False, **_) -> float:
@@ -69,17 +70,21 @@ def think_format(prompt: str, response: str, **_) -> float:
 
 def combine(*parts: tuple[Callable[..., float], float]) -> Callable[..., float]:
     """One reward from weighted parts: `combine((gsm8k, 1.0), (think_format, 0.2))` scores
-    1.0 * gsm8k(...) + 0.2 * think_format(...). Each part gets the same arguments; a part that raises fails
-    the sample (the reward worker records the error and scores it 0), never silently scores 0 itself."""
+    1.0 * gsm8k(...) + 0.2 * think_format(...), as a `Scored` that keeps each part's own score (the metrics
+    `reward/part/gsm8k`, `eval/part/think_format`: rewards/scored.py). Each part gets the same arguments; a
+    part that raises fails the sample (the reward worker records the error and scores it 0), never silently
+    scores 0 itself."""
     if not parts:
         raise ValueError("combine() needs at least one (function, weight) pair")
     for part in parts:
         if not (isinstance(part, tuple) and len(part) == 2 and callable(part[0])
                 and isinstance(part[1], (int, float))):
             raise TypeError(f"combine() takes (function, weight) pairs, got {part!r}")
+    names = _part_names([fn for fn, _ in parts])
 
-    def combined(prompt: str, response: str, **row) -> float:
-        return sum(weight * fn(prompt, response, **row) for fn, weight in parts)
+    def combined(prompt: str, response: str, **row) -> Scored:
+        scores = {name: fn(prompt, response, **row) for name, (fn, _) in zip(names, parts)}
+        return Scored(sum(weight * scores[name] for name, (_, weight) in zip(names, parts)), scores)
 
     combined.__name__ = "+".join(f"{w:g}*{getattr(f, '__name__', 'reward')}" for f, w in parts)
     # the package's own rewards run in the reward worker's process; a combination holding code of yours is
@@ -88,6 +93,18 @@ def combine(*parts: tuple[Callable[..., float], float]) -> Callable[..., float]:
     yours = [m for m in modules if not m.startswith("rlbench_nb.")]
     combined.__module__ = yours[0] if yours else combined.__module__
     return combined
+
+
+def _part_names(fns: list[Callable]) -> list[str]:
+    """Each function's name; a name used twice gets _2, _3 (two lambdas: <lambda>, <lambda>_2)."""
+    names: list[str] = []
+    for fn in fns:
+        base = getattr(fn, "__name__", type(fn).__name__)
+        name, k = base, 2
+        while name in names:
+            name, k = f"{base}_{k}", k + 1
+        names.append(name)
+    return names
 
 
 # GSM8K's answer by value, plus a little for stating it in the asked format, as a config names it:

@@ -77,7 +77,8 @@ class RewardWorker:
         return self._processes
 
     def score(self, batch: Batch) -> Batch:
-        """{"scores_B": float tensor, "reward_error": [str | None]} for the batch's rows.
+        """{"scores_B": float tensor, "reward_error": [str | None], "reward_parts": [dict | None]} for the
+        batch's rows (parts: what a `Scored` reward is made of, e.g. `combine`'s; None for a plain float).
 
         The function gets the dataset row's fields (`batch.info["row_fields"]`, e.g. `answer`), not the
         fields later phases add (advantages, errors)."""
@@ -85,12 +86,14 @@ class RewardWorker:
         calls = [((batch["prompt"][i], batch["response"][i]), {k: batch.meta[k][i] for k in extra_keys})
                  for i in range(len(batch))]
         outcomes = self._runner().run(self.fn, calls, self.cfg.timeout_s)
-        scores, errors = [], []
+        scores, errors, parts = [], [], []
         for i, (ok, value) in enumerate(outcomes):
-            scores.append(value if ok else 0.0)
+            scores.append(float(value) if ok else 0.0)
+            parts.append(getattr(value, "parts", None) if ok else None)
             errors.append(None if ok else f"reward function '{_fn_name(self.fn)}' {value[0]} on sample {i} "
                                           f"(prompt {calls[i][0][0][:40]!r}): {value[1]}")
-        return Batch({"scores_B": torch.tensor(scores, dtype=torch.float32)}, {"reward_error": errors})
+        return Batch({"scores_B": torch.tensor(scores, dtype=torch.float32)},
+                     {"reward_error": errors, "reward_parts": parts})
 
     def memory(self) -> dict:
         """This process's memory and its isolation pool's (reward.isolation=process)."""

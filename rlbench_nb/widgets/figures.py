@@ -10,13 +10,16 @@ from __future__ import annotations
 import html
 import math
 
-# section -> panels: (title, [(metric key, line name)]). "memory/*" expands to one line per role.
+# section -> panels: (title, [(metric key, line name)]). "memory/*" expands to one line per role, "reward/part/*"
+# and "eval/part/*" to one per part of a combined reward (rewards/scored.py), each named by its part.
 STALENESS_HISTOGRAM = "async/staleness:histogram"  # a panel of bars: steps per `async/staleness` value
+THROUGHPUT = "throughput (tok/s, log scale)"
 SECTIONS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
     "outcome": [
-        ("reward", [("reward/mean", "mean")]),  # drawn over its min–max band
-        ("held-out accuracy (greedy)", [("eval/accuracy", "accuracy")]),
-        ("response length (tokens)", [("response_len/mean", "mean"), ("response_len/max", "max")]),
+        ("reward", [("reward/mean", "mean"), ("reward/part/*", "")]),  # the mean over its min–max band
+        ("held-out (greedy)", [("eval/accuracy", "accuracy"), ("eval/part/*", "")]),
+        ("response length (tokens)", [("response_len/mean", "mean"), ("response_len/max", "max"),
+                                      ("eval/response_len", "held-out mean")]),
     ],
     "policy": [
         ("loss", [("loss/policy", "policy"), ("loss/value", "value"), ("loss/kl", "KL term")]),
@@ -28,8 +31,8 @@ SECTIONS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
                                                 ("mismatch/logp_abs_max", "max")]),
     ],
     "system": [
-        ("throughput (tok/s)", [("throughput/rollout_tok_s", "rollout"), ("throughput/prepare_tok_s", "prepare"),
-                                ("throughput/update_tok_s", "update")]),
+        (THROUGHPUT, [("throughput/rollout_tok_s", "rollout"), ("throughput/prepare_tok_s", "prepare"),
+                      ("throughput/update_tok_s", "update")]),
         ("seconds per phase", [("time/rollout_s", "rollout"), ("time/score_s", "score"),
                                ("time/prepare_s", "prepare"), ("time/update_s", "update")]),
         ("memory, peak RSS (GB)", [("memory/*", "")]),
@@ -80,12 +83,22 @@ def _finite(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _lines(panel: list[tuple[str, str]], history: list[dict]) -> list[tuple[str, str]]:
-    if panel[0][0] != "memory/*":
-        return panel
-    roles = sorted({k[len("memory/"):-len("_peak_gb")] for r in history[-1:] for k in r
-                    if k.startswith("memory/") and k.endswith("_peak_gb")})
-    return [(f"memory/{role}_peak_gb", role) for role in roles]
+def _lines(panel: list[tuple[str, str]], history: list[dict], evals: list[dict]) -> list[tuple[str, str]]:
+    """The panel's (key, name) lines, its wildcards expanded over the keys the rows have."""
+    out = []
+    for key, name in panel:
+        if key == "memory/*":
+            roles = sorted({k[len("memory/"):-len("_peak_gb")] for r in history[-1:] for k in r
+                            if k.startswith("memory/") and k.endswith("_peak_gb")})
+            out += [(f"memory/{role}_peak_gb", role) for role in roles]
+        elif key.endswith("/*"):
+            prefix = key[:-1]
+            keys = dict.fromkeys(k for r in (evals if key.startswith("eval/") else history) for k in r
+                                 if k.startswith(prefix))
+            out += [(k, k[len(prefix):]) for k in keys]
+        else:
+            out.append((key, name))
+    return out
 
 
 def section_traces(section: str, history: list[dict], evals: list[dict], smoothing: float = 0.0,
@@ -97,7 +110,8 @@ def section_traces(section: str, history: list[dict], evals: list[dict], smoothi
         if panel[0][0] == STALENESS_HISTOGRAM:
             out += _histogram(p, [r["async/staleness"] for r in history if r.get("async/staleness") is not None])
             continue
-        lines = [(k, n, series(evals if k.startswith("eval/") else history, k)) for k, n in _lines(panel, history)]
+        lines = [(k, n, series(evals if k.startswith("eval/") else history, k))
+                 for k, n in _lines(panel, history, evals)]
         lines = [(k, n, xy) for k, n, xy in lines if xy[0]]
         legend = len(lines) > 1
         for i, (key, name, (x, y)) in enumerate(lines):
@@ -146,14 +160,19 @@ def section_figure(section: str, traces: list[dict]):
     multi-line panel, in its top-right corner; "step" on every x axis; hover shows every line at a step."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
-    panels = SECTIONS[section]
+    # the async panels only where a step ran async: empty, they took a third of the section in every other run
+    drawn = {t["panel"] for t in traces}
+    shown = [p for p, (_, keys) in enumerate(SECTIONS[section])
+             if p in drawn or not all(k.startswith("async/") for k, _ in keys)]
+    place = {p: i for i, p in enumerate(shown)}  # SECTIONS' panel index -> its place in this figure
+    panels = [SECTIONS[section][p] for p in shown]
     rows = -(-len(panels) // COLS)
     fig = make_subplots(rows=rows, cols=COLS, subplot_titles=[t for t, _ in panels], horizontal_spacing=0.14,
                         vertical_spacing=0.22 if rows > 1 else 0.1)
     legends: dict[int, str] = {}
     for t in traces:
         t = dict(t)
-        p = t.pop("panel")
+        p = place[t.pop("panel")]
         r, c = divmod(p, COLS)
         if t.get("showlegend"):
             t["legend"] = legends.setdefault(p, "legend" if not legends else f"legend{len(legends) + 1}")
@@ -169,11 +188,14 @@ def section_figure(section: str, traces: list[dict]):
                                   "itemwidth": 30}})
     # whole steps: a short run gets one tick per step instead of 1.5, 2.5
     fig.update_xaxes(title_text="step", title_standoff=4, title_font_size=11, dtick=1 if _short(traces) else None)
-    for p, (_, panel) in enumerate(panels):
-        if panel[0][0] == STALENESS_HISTOGRAM:  # its x axis counts updates, not steps
-            fig.update_xaxes(title_text="updates behind", dtick=1, row=p // COLS + 1, col=p % COLS + 1)
     # small numbers as 2e-9, not plotly's SI "2n"; counts (tokens/s, GB) keep 4M / 1.2k; 0 always in view
     fig.update_yaxes(exponentformat="e" if section == "policy" else "SI", separatethousands=True, rangemode="tozero")
+    for p, (title, panel) in enumerate(panels):
+        if panel[0][0] == STALENESS_HISTOGRAM:  # its x axis counts updates, not steps
+            fig.update_xaxes(title_text="updates behind", dtick=1, row=p // COLS + 1, col=p % COLS + 1)
+        if title == THROUGHPUT:  # prepare runs at ~10^5-10^6 tok/s, rollout and update at ~10^2-10^4: on one
+            # linear axis two of the three lines lie flat on zero; a log axis keeps each readable in one panel
+            fig.update_yaxes(type="log", row=p // COLS + 1, col=p % COLS + 1)
     fig.update_annotations(font_size=13)
     fig.update_layout(height=250 * rows + 20, template="plotly_white", hovermode="x unified",
                       margin={"l": 50, "r": 20, "t": 30, "b": 40}, autosize=True)

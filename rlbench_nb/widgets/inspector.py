@@ -27,9 +27,17 @@ TOKEN_FIELDS = {"log-prob": "old_logprobs_BR", "KL to reference": None, "advanta
 
 def _table_row(i: int, shown: dict) -> dict:
     """One inspector row from a sample keyed by the names people see (`Batch.rows()`, rollout files; their
-    token ids stay out of the table). `reward_before`: a re-scored batch's earlier reward, beside the new."""
+    token ids stay out of the table). `reward_before`: a re-scored batch's earlier reward, beside the new.
+    A reward's parts (`combine`'s, rewards/scored.py) are columns of their own, to sort and filter by
+    (`gsm8k_format == 0`: the answers not in the asked format)."""
+    parts = {k: v for k, v in (shown.get("reward_parts") or {}).items() if k not in COLUMNS + EPISODE_COLUMNS}
     return {"index": i, **{c: shown.get(c, "" if c in ("prompt", "response") else None)
-                           for c in COLUMNS + EPISODE_COLUMNS}}
+                           for c in COLUMNS + EPISODE_COLUMNS}, **parts}
+
+
+def _part_columns(rows: list[dict]) -> tuple[str, ...]:
+    known = set(COLUMNS + EPISODE_COLUMNS) | {"index"}
+    return tuple(dict.fromkeys(k for r in rows for k in r if k not in known))
 
 
 def _rows_from_batch(batch) -> list[dict]:
@@ -66,7 +74,11 @@ class Inspector:
                 self.batch = load_rollouts(source, tokenizer.pad_token_id)
             except RLBenchError:
                 pass  # a file written before rollout files kept token ids: the table alone
-        self.columns = COLUMNS + tuple(c for c in EPISODE_COLUMNS if any(r[c] is not None for r in self.rows))
+        parts = _part_columns(self.rows)
+        for r in self.rows:  # a sample whose reward failed has no parts: None, as a missing reward
+            r.update({c: r.get(c) for c in parts})
+        self.columns = (COLUMNS + parts
+                        + tuple(c for c in EPISODE_COLUMNS if any(r[c] is not None for r in self.rows)))
         self.page_size = page_size
         self.filters: list[tuple[str, str, object]] = []
         self.sort_key, self.descending = "index", False

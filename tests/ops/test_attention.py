@@ -141,6 +141,24 @@ def test_model_attention_setting_chooses_the_implementation(tmp_path, monkeypatc
     assert chosen("auto", "cpu") == "eager"
 
 
+def test_loading_a_model_prints_no_progress_bar_and_leaves_the_switch_as_it_was(tmp_path, capfd):
+    """Every role's load would put transformers' "Loading weights" bar into the notebook's output."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+    path = _llama(tmp_path)
+    was = logging.is_progress_bar_enabled()  # the suite's conftest turns them off
+    logging.enable_progress_bar()
+    try:
+        capfd.readouterr()
+        attention.load_model(AutoModelForCausalLM, path, "auto", torch.device("cpu"))
+        assert "Loading weights" not in capfd.readouterr().err and logging.is_progress_bar_enabled()
+        AutoModelForCausalLM.from_pretrained(path)  # a load of your own still shows it: the test can fail
+        assert "Loading weights" in capfd.readouterr().err
+    finally:
+        if not was:
+            logging.disable_progress_bar()
+
+
 def test_a_model_gives_the_same_logits_and_cache_either_way(tmp_path):
     """A real Llama (grouped-query heads) loaded with the auto setting and with SDPA: left-padded prefill, a decode
     step on the KV cache, and packed rows (restarting positions, no mask) give the same logits."""

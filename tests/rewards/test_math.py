@@ -148,6 +148,19 @@ def test_combine_weighs_parts_and_keeps_failures_loud():
         combine(gsm8k)
 
 
+def test_combine_keeps_each_part_before_its_weight_and_travels_with_them():
+    import pickle
+
+    from rlbench_nb.rewards import Scored
+    score = gsm8k_with_format("q", "so 70\n#### 70", answer="72")  # the format, not the answer
+    assert isinstance(score, Scored) and score == pytest.approx(0.2)
+    assert score.parts == {"gsm8k": 0.0, "gsm8k_format": 1.0}  # each part's own score, not 0.2
+    back = pickle.loads(pickle.dumps(score))  # to and from a reward process
+    assert back == score and back.parts == score.parts and isinstance(back, Scored)
+    twice = combine((gsm8k, 1.0), (gsm8k, 0.5))("q", "#### 72", answer="72")
+    assert twice == pytest.approx(1.5) and twice.parts == {"gsm8k": 1.0, "gsm8k_2": 1.0}
+
+
 def test_to_number_refuses_what_is_not_one_number():
     assert to_number("1,2") is None and to_number("3 4") is None and to_number("5/0") is None
     assert to_number("$1,234.50.") == to_number("1234.5")

@@ -47,6 +47,31 @@ def test_bad_samples_score_zero_with_the_error_and_the_rest_scores():
     assert "returned str '1.0'" in err[4]
 
 
+def parts_of_answer(prompt, response, answer):
+    from rlbench_nb.rewards import Scored
+    if prompt == "1+1=":
+        return Scored(1.0, {"right": float("nan")})  # a part that is no number fails its sample
+    return Scored(float(response == answer) + 0.5, {"right": float(response == answer), "short": 1.0})
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_reward_with_parts_keeps_them_per_sample_and_the_metrics_average_each(isolation):
+    from rlbench_nb.metrics.compute import reward_metrics
+    w = RewardWorker(parts_of_answer, RewardConfig(isolation=isolation, processes=1))
+    try:
+        out = w.score(batch())
+    finally:
+        w.close()
+    assert out["scores_B"].tolist() == [0.0, 1.5, 0.5, 1.5, 1.5]
+    parts = out["reward_parts"]
+    assert parts[1] == {"right": 1.0, "short": 1.0} and parts[2] == {"right": 0.0, "short": 1.0}
+    assert parts[0] is None and "part 'right' returned nan" in out["reward_error"][0]
+    m = reward_metrics(out)  # over the four samples that have parts
+    assert m["reward/part/right"] == pytest.approx(0.75) and m["reward/part/short"] == 1.0
+    plain = RewardWorker(lambda prompt, response, answer: 1.0).score(batch())
+    assert plain["reward_parts"] == [None] * 5 and not any("/part/" in k for k in reward_metrics(plain))
+
+
 def test_row_fields_reach_the_function_and_swap():
     seen = []
     w = RewardWorker(lambda prompt, response, answer: seen.append(answer) or 0.5)

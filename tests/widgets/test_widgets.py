@@ -35,9 +35,27 @@ def test_async_runs_get_a_staleness_histogram_and_idle_lines():
     fig = section_figure("system", list(traces.values()))
     assert [t.type for t in fig.data if t.uid == "async/staleness:histogram"] == ["bar"]
     assert "updates behind" in [ax.title.text for ax in fig.select_xaxes()]
-    # a synchronous run: no async numbers, nothing drawn in those panels
-    assert not [t for t in section_traces("system", [{"step": 1, "time/rollout_s": 1.0}], [])
-                if t["uid"].startswith("async/")]
+    assert len(fig.layout.annotations) == 5  # every panel's title
+    # a synchronous run: no async numbers, and no async panels taking a third of the section empty
+    sync = [{"step": 1, "time/rollout_s": 1.0, "throughput/rollout_tok_s": 60.0, "throughput/prepare_tok_s": 4e5}]
+    traces = section_traces("system", sync, [])
+    assert not [t for t in traces if t["uid"].startswith("async/")]
+    fig = section_figure("system", traces)
+    assert [a.text for a in fig.layout.annotations] == ["throughput (tok/s, log scale)", "seconds per phase",
+                                                        "memory, peak RSS (GB)"]
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis2.type != "log"  # 60 and 4e5 both readable
+
+
+def test_a_combined_rewards_parts_are_drawn_beside_the_reward_and_the_held_out_accuracy():
+    history = [{"step": s, "reward/mean": 0.1 * s, "reward/part/gsm8k": 0.0, "reward/part/gsm8k_format": 0.2 * s}
+               for s in (1, 2)]
+    evals = [{"step": 0, "eval/accuracy": 0.0, "eval/part/gsm8k_format": 0.06, "eval/response_len": 95.0},
+             {"step": 2, "eval/accuracy": 0.0, "eval/part/gsm8k_format": 1.0, "eval/response_len": 44.0}]
+    traces = {t["uid"]: t for t in section_traces("outcome", history, evals)}
+    assert traces["reward/part/gsm8k_format"]["name"] == "gsm8k_format" and traces["reward/part/gsm8k"]["panel"] == 0
+    held_out = traces["eval/part/gsm8k_format"]
+    assert held_out["panel"] == traces["eval/accuracy"]["panel"] == 1 and held_out["y"] == [0.06, 1.0]
+    assert traces["eval/response_len"]["x"] == [0, 2] and traces["eval/response_len"]["panel"] == 2
 
 
 def test_header_facts_give_total_rate_and_eta():

@@ -146,9 +146,27 @@ def build(policy_dir: Path, train_rows: list[dict], verifier, out: Path) -> dict
     texts, labels = data["train"]
     pairs = _pairs(labels, SAMPLES_PER_PROMPT)
     n_samples, right_share = len(texts), sum(labels) / len(labels)
-    # hard negatives: each training prompt's right answer against answers one edit away from it
+    _add_near_misses(rows[n_probe:], texts, labels, pairs)
+    steps = _train(rm, tokenizer, texts, labels, pairs)
+    first = 256 * SAMPLES_PER_PROMPT  # the training prompts' measure, on 256 of them (their samples come first)
+    report = {"body_sft_steps": sft["steps"], "body_probe_accuracy": sft["probe_accuracy"],
+              "samples": n_samples, "right_share": right_share, "near_miss_texts": len(texts) - n_samples,
+              "steps": steps,
+              "train_pairwise": pairwise_accuracy(rm, tokenizer, texts[:first], labels[:first]),
+              "probe_samples": len(data["probe"][0]),
+              "probe_pairwise": pairwise_accuracy(rm, tokenizer, *data["probe"]),
+              "seconds": round(time.time() - t0, 1)}
+    rm.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    (out / "rm.json").write_text(json.dumps(report))
+    return report
+
+
+def _add_near_misses(rows: list[dict], texts: list[str], labels: list[float], pairs: list[tuple[int, int]]) -> None:
+    """Hard negatives: each training prompt's right answer (label 1) against answers one edit away from it
+    (label 0), appended to `texts`/`labels`, each (right, wrong) index pair to `pairs`."""
     rng = random.Random(1)
-    for r in rows[n_probe:]:
+    for r in rows:
         right = len(texts)
         texts.append(r["prompt"] + r["answer"])
         labels.append(1.0)
@@ -156,6 +174,10 @@ def build(policy_dir: Path, train_rows: list[dict], verifier, out: Path) -> dict
             pairs.append((right, len(texts)))
             texts.append(r["prompt"] + wrong)
             labels.append(0.0)
+
+
+def _train(rm, tokenizer, texts: list[str], labels: list[float], pairs: list[tuple[int, int]]) -> int:
+    """EPOCHS over `texts` in batches of BATCH, linear decay; returns the number of steps taken."""
     steps = max(1, EPOCHS * len(texts) // BATCH)
     opt = torch.optim.AdamW(rm.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps)
@@ -177,18 +199,7 @@ def build(policy_dir: Path, train_rows: list[dict], verifier, out: Path) -> dict
         torch.nn.utils.clip_grad_norm_(rm.parameters(), 1.0)
         opt.step()
         sched.step()
-    first = 256 * SAMPLES_PER_PROMPT  # the training prompts' measure, on 256 of them (their samples come first)
-    report = {"body_sft_steps": sft["steps"], "body_probe_accuracy": sft["probe_accuracy"],
-              "samples": n_samples, "right_share": right_share, "near_miss_texts": len(texts) - n_samples,
-              "steps": steps,
-              "train_pairwise": pairwise_accuracy(rm, tokenizer, texts[:first], labels[:first]),
-              "probe_samples": len(data["probe"][0]),
-              "probe_pairwise": pairwise_accuracy(rm, tokenizer, *data["probe"]),
-              "seconds": round(time.time() - t0, 1)}
-    rm.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
-    (out / "rm.json").write_text(json.dumps(report))
-    return report
+    return steps
 
 
 def task_reward_model_dir(task: TaskConfig, model: ModelConfig, policy_dir: Path, train_rows: list[dict],

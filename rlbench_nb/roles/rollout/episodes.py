@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -43,15 +44,7 @@ def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: Rollout
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts], device=device)  # left padding
     attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts], device=device)
-    prompt_mask = attn.cpu()
-    tokens = torch.full((B, R), pad, dtype=torch.long)
-    logprobs = torch.zeros((B, R))
-    loss_mask = torch.zeros((B, R), dtype=torch.long)
-    lengths = [R] * B
-    forced: list[deque[int]] = [deque() for _ in range(B)]
-    turn_ids: list[list[int]] = [[] for _ in range(B)]  # the model's current turn, decoded whole (not token by token)
-    turns = [0] * B
-    scores, errors = [0.0] * B, [None] * B
+    state = _Episodes.start(B, R, pad, prompt_mask=attn.cpu())
     rows_left = list(range(B))                       # batch row of each sequence still running
     next_pos = attn.sum(-1, keepdim=True)
     cache = DynamicCache(config=model.config)
@@ -61,31 +54,16 @@ def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: Rollout
     for t in range(R):
         tok, logp = sample(logits.float(), p, gen)
         tok, logp = tok.cpu(), logp.cpu()
-        ending: list[int] = []                       # positions (in rows_left) whose model turn ends here
-        for i, r in enumerate(rows_left):
-            if forced[r]:                            # the environment's token: fed, not sampled
-                tok[i], logp[i] = forced[r].popleft(), 0.0
-                continue
-            loss_mask[r, t] = 1
-            if tok[i] == eos:
-                ending.append(i)
-                continue
-            turn_ids[r].append(int(tok[i]))
-            stops = envs[r].stop_strings
-            if stops:  # the turn's tail decoded whole: a stop string may share a token with the text around it
-                tail = tokenizer.decode(turn_ids[r][-(max(map(len, stops)) + 1):])
-                if any(s in tail for s in stops):
-                    ending.append(i)
-        tokens[rows_left, t], logprobs[rows_left, t] = tok, logp
+        ending = state.record(t, rows_left, tok, logp, envs, tokenizer, eos)
         if t == R - 1:  # the budget is spent: a turn cut short is scored as it stands
-            ending = [i for i, r in enumerate(rows_left) if not forced[r] and (i in ending or turn_ids[r])]
-        done = _take_steps(envs, [rows_left[i] for i in ending], turn_ids, turns, scores, errors, forced,
-                           tokenizer, pool, step_timeout_s, room=[R - t - 1] * B)
+            ending = [i for i, r in enumerate(rows_left) if not state.forced[r] and (i in ending or state.turn_ids[r])]
+        done = _take_steps(envs, [rows_left[i] for i in ending], state.turn_ids, state.turns, state.scores,
+                           state.errors, state.forced, tokenizer, pool, step_timeout_s, room=[R - t - 1] * B)
         if t == R - 1:
             break
         finished = {i for i, r in enumerate(rows_left) if r in done}
         for i in finished:
-            lengths[rows_left[i]] = t + 1
+            state.lengths[rows_left[i]] = t + 1
         if finished:
             keep = [i for i in range(len(rows_left)) if i not in finished]
             if not keep:
@@ -99,14 +77,63 @@ def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: Rollout
         logits = model(input_ids=tok[:, None].to(device), attention_mask=attn, position_ids=next_pos,
                        past_key_values=cache, use_cache=True).logits[:, -1]
         next_pos = next_pos + 1
-    valid = (torch.arange(steps)[None, :] < torch.tensor(lengths)[:, None]).long()
-    return Batch({"response_ids_BR": tokens[:, :steps], "response_mask_BR": valid,
-                 "loss_mask_BR": loss_mask[:, :steps] * valid, "rollout_logprobs_BR": logprobs[:, :steps] * valid,
-                 "prompt_ids_BP": ids.cpu(), "prompt_mask_BP": prompt_mask,
-                 "env_scores_B": torch.tensor(scores), "num_turns_B": torch.tensor(turns),
-                 "tool_calls_B": torch.tensor([getattr(env, "calls", 0) for env in envs]),
-                 "tool_errors_B": torch.tensor([getattr(env, "errors", 0) for env in envs])},
-                 {"env_error": [e or "" for e in errors]})
+    return state.batch(steps, ids.cpu(), envs)
+
+
+@dataclass
+class _Episodes:
+    """What `run_episodes` has of each batch row r so far: its tokens (the model's and the environment's), their
+    log-probs and loss mask, where it ended, the environment's tokens queued to feed (`forced`), the model's
+    current turn, its turns, summed rewards and the error that ended it early."""
+    tokens: torch.Tensor       # [B, R]
+    logprobs: torch.Tensor     # [B, R], 0 on the environment's tokens
+    loss_mask: torch.Tensor    # [B, R], 1 on the model's own tokens
+    prompt_mask: torch.Tensor  # [B, P]
+    lengths: list[int]
+    forced: list[deque[int]]
+    turn_ids: list[list[int]]  # the model's current turn, decoded whole (not token by token)
+    turns: list[int]
+    scores: list[float]
+    errors: list[str | None]
+
+    @classmethod
+    def start(cls, B: int, R: int, pad: int, prompt_mask: torch.Tensor) -> _Episodes:
+        return cls(tokens=torch.full((B, R), pad, dtype=torch.long), logprobs=torch.zeros((B, R)),
+                   loss_mask=torch.zeros((B, R), dtype=torch.long), prompt_mask=prompt_mask, lengths=[R] * B,
+                   forced=[deque() for _ in range(B)], turn_ids=[[] for _ in range(B)], turns=[0] * B,
+                   scores=[0.0] * B, errors=[None] * B)
+
+    def record(self, t: int, rows_left: list[int], tok, logp, envs: list[Env], tokenizer, eos: int) -> list[int]:
+        """Token t of each running row: the environment's queued token (written into `tok`, fed next) or the
+        sampled one. Returns the positions (in `rows_left`) whose model turn ends here."""
+        ending: list[int] = []
+        for i, r in enumerate(rows_left):
+            if self.forced[r]:                       # the environment's token: fed, not sampled
+                tok[i], logp[i] = self.forced[r].popleft(), 0.0
+                continue
+            self.loss_mask[r, t] = 1
+            if tok[i] == eos:
+                ending.append(i)
+                continue
+            self.turn_ids[r].append(int(tok[i]))
+            stops = envs[r].stop_strings
+            if stops:  # the turn's tail decoded whole: a stop string may share a token with the text around it
+                tail = tokenizer.decode(self.turn_ids[r][-(max(map(len, stops)) + 1):])
+                if any(s in tail for s in stops):
+                    ending.append(i)
+        self.tokens[rows_left, t], self.logprobs[rows_left, t] = tok, logp
+        return ending
+
+    def batch(self, steps: int, prompt_ids: torch.Tensor, envs: list[Env]) -> Batch:
+        valid = (torch.arange(steps)[None, :] < torch.tensor(self.lengths)[:, None]).long()
+        return Batch({"response_ids_BR": self.tokens[:, :steps], "response_mask_BR": valid,
+                      "loss_mask_BR": self.loss_mask[:, :steps] * valid,
+                      "rollout_logprobs_BR": self.logprobs[:, :steps] * valid,
+                      "prompt_ids_BP": prompt_ids, "prompt_mask_BP": self.prompt_mask,
+                      "env_scores_B": torch.tensor(self.scores), "num_turns_B": torch.tensor(self.turns),
+                      "tool_calls_B": torch.tensor([getattr(env, "calls", 0) for env in envs]),
+                      "tool_errors_B": torch.tensor([getattr(env, "errors", 0) for env in envs])},
+                     {"env_error": [e or "" for e in self.errors]})
 
 
 def _take_steps(envs, ending: list[int], turn_ids, turns, scores, errors, forced, tokenizer, pool,
