@@ -23,7 +23,9 @@ from rlbench_nb.rewards import gsm8k
 from .conftest import assert_rollout_holds_policy_weights
 from .roles.test_precision import _assert_grads_close
 
-pytestmark = [pytest.mark.slow, pytest.mark.real]
+# every test here needs the real assets; the GGUF load and the notebook also run in the default stage (CI): the
+# fixture fetches and converts the assets from nothing there (~1 min), and the two take ~2.5 min more
+pytestmark = pytest.mark.real
 
 TIE = 1e-4          # a top-2 logit gap below this is a tie (see above)
 EVAL_ROWS, EVAL_TOKENS = 16, 128
@@ -85,6 +87,7 @@ def test_the_gguf_file_itself_loads_as_its_converted_folder(real_assets, monkeyp
         assert "Paris" in tok.decode(ours.generate(ids, max_new_tokens=3, do_sample=False)[0, ids.shape[1]:])
 
 
+@pytest.mark.slow
 def test_greedy_evaluation_gives_plain_generates_answers(real_session, real_assets):
     """sess.evaluate() on 16 GSM8K test questions: the same response text per question as transformers'
     generate() on the same chat-templated prompts (batched, left-padded by HF), and every token the argmax of the
@@ -130,6 +133,7 @@ def test_greedy_evaluation_gives_plain_generates_answers(real_session, real_asse
     assert result["eval/accuracy"] == accuracy and result["eval/n"] == EVAL_ROWS
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_equal_a_teacher_forced_forward(sampled):
     """The engine's log-probs of the tokens it sampled (temperature 1, hundreds of tokens, EOS inside the batch,
     right padding) against the trainer's teacher-forced forward of the same tokens, both fp32."""
@@ -143,6 +147,7 @@ def test_sampled_logprobs_equal_a_teacher_forced_forward(sampled):
     assert diff.mean() < 2.5e-5 and diff.max() < 4e-4, (diff.mean().item(), diff.max().item())
 
 
+@pytest.mark.slow
 def test_packed_and_padded_micro_batches_give_the_same_loss_and_gradients(real_session, sampled):
     """Four real responses of different lengths (one ended by EOS): log-probs, entropies and every parameter's
     gradient of packed rows equal the padded forward's."""
@@ -178,6 +183,7 @@ def _longer_is_better(prompt, response, **_):
     return min(len(response), 400) / 400
 
 
+@pytest.mark.slow
 def test_lora_trains_only_adapters_and_its_merged_weights_reach_the_engine_and_the_exported_folder(
         real_assets, tmp_path):
     """LoRA on the real model: one step moves the adapters alone; the verified push gives the engine the merged
