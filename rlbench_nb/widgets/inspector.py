@@ -30,14 +30,16 @@ def _table_row(i: int, shown: dict) -> dict:
     token ids stay out of the table). `reward_before`: a re-scored batch's earlier reward, beside the new.
     A reward's parts (`combine`'s, rewards/scored.py) are columns of their own, to sort and filter by
     (`gsm8k_format == 0`: the answers not in the asked format)."""
-    parts = {k: v for k, v in (shown.get("reward_parts") or {}).items() if k not in COLUMNS + EPISODE_COLUMNS}
+    parts = {k: v for k, v in (shown.get("reward_parts") or {}).items() if k not in _KNOWN}  # never over a column
     return {"index": i, **{c: shown.get(c, "" if c in ("prompt", "response") else None)
                            for c in COLUMNS + EPISODE_COLUMNS}, **parts}
 
 
+_KNOWN = frozenset(("index",) + COLUMNS + EPISODE_COLUMNS)
+
+
 def _part_columns(rows: list[dict]) -> tuple[str, ...]:
-    known = set(COLUMNS + EPISODE_COLUMNS) | {"index"}
-    return tuple(dict.fromkeys(k for r in rows for k in r if k not in known))
+    return tuple(dict.fromkeys(k for r in rows for k in r if k not in _KNOWN))
 
 
 def _rows_from_batch(batch) -> list[dict]:

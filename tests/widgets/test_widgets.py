@@ -322,3 +322,9 @@ def test_token_pieces_join_into_the_text_with_multibyte_characters_whole(tmp_pat
     assert token_pieces(tok, ids[:-1] + ids[-1:]) == pieces
     cut = ids[:next(i for i, s in enumerate(singly) if "\ufffd" in s) + 1]  # ends inside a character
     assert "".join(token_pieces(tok, cut)) == tok.decode(cut)
+
+
+def test_a_rewards_parts_become_inspector_columns_but_never_replace_one():
+    from rlbench_nb.widgets.inspector import _table_row
+    row = _table_row(3, {"prompt": "p", "reward": 1.2, "reward_parts": {"index": 9.0, "reward": 0.0, "short": 1.0}})
+    assert row["index"] == 3 and row["reward"] == 1.2 and row["short"] == 1.0
