@@ -53,7 +53,7 @@ def measure(backend: str, calls: int, steps: int) -> dict:
                                 *BACKENDS[backend], *TINY])
     t0 = time.perf_counter()
     if cfg.cluster.backend == "ray":
-        from rlbench_nb.cluster.ray_backend import attach
+        from rlbench_nb.cluster.ray_connect import attach
         attach(cfg)
     cluster_s = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -159,7 +159,8 @@ def branch(sess: Session, name: str, overrides=(), reward=None, keep: bool = Tru
         shutil.rmtree(path)
     start = snapshots.take(sess)
     main_rundir, main_metrics = sess.rundir, sess.metrics
-    main_run = (sess.run_target, sess.run_outcome, sess.run_end_step)  # the dashboard's header: the main line's
+    progress = sess.progress  # the dashboard's header: the main line's run, back after the branch
+    main_run = (progress.run_target, progress.run_outcome, progress.run_end_step)
     b = Branch(name, tuple(overrides), cfg, path, sess.step_count, _session=sess, _start=start)
     try:
         sess.current_branch = b
@@ -182,7 +183,7 @@ def branch(sess: Session, name: str, overrides=(), reward=None, keep: bool = Tru
             with deferred_interrupts("returning to the main line"):  # never left half-way, even on Ctrl-C
                 sess.rundir, sess.metrics, sess.current_branch = main_rundir, main_metrics, None
                 snapshots.restore(sess, start, history=False)  # also the main config and reward function
-                sess.run_target, sess.run_outcome, sess.run_end_step = main_run
+                progress.run_target, progress.run_outcome, progress.run_end_step = main_run
                 start.release()
                 b._start = None
                 sess.branches[name] = b

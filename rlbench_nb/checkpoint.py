@@ -54,7 +54,7 @@ def save(sess: Session, name: str) -> Path:
         torch.save(groups["rollout"].call(RolloutWorker.get_state), tmp / "rollout_state.pt")
 
     write_atomically(final, write)
-    sess.last_saved_step = controller["step"]
+    sess.progress.last_saved_step = controller["step"]
     return final
 
 
@@ -74,7 +74,7 @@ def restore(sess: Session, path: Path) -> None:
         groups["critic"].call(CriticWorker.load, str(path / "critic"))
     groups["rollout"].call_each(RolloutWorker.set_state, [(s,) for s in states])
     sess.return_to(controller)
-    sess.last_saved_step = sess.step_count
+    sess.progress.last_saved_step = sess.step_count
 
 
 def locate(run_dir: Path, name: str | Path | None) -> Path:

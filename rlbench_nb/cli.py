@@ -9,6 +9,7 @@
     rlbench-nb weights runs/arith-grpo -o my-model           # a checkpoint's policy as a from_pretrained folder
     rlbench-nb kernel install [--ray-address HOST:PORT]      # the Jupyter kernel, extension loaded
     rlbench-nb data gsm8k Downloads/gsm8k -o data/gsm8k       # a published dataset -> prompt files (or: math)
+    rlbench-nb doctor configs/arith_grpo.yaml                # certify a session before a long run (exit 1: a failure)
 """
 from __future__ import annotations
 
@@ -179,10 +180,31 @@ def data(argv: list[str]) -> int:
     return 0
 
 
+def doctor(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="rlbench-nb doctor", description="Start a session on CONFIG in a temporary "
+                                "run directory, run sess.doctor() (one line per check: the engine against the "
+                                "trainer, an update at learning rate 0, the samples, the reward, settings that do "
+                                "nothing) and close it. Exit 1 when a check fails.")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
+    p.add_argument("--rows", type=int, default=4, help="training prompts to roll out (default 4)")
+    args = p.parse_args(argv)
+    import tempfile
+    from pathlib import Path
+
+    from .session import Session
+    with tempfile.TemporaryDirectory(prefix="rlbench-nb-doctor-") as tmp:
+        with Session(args.config, args.overrides, run_dir=Path(tmp) / "run") as sess:
+            report = sess.doctor(args.rows)
+    print(report)
+    return 0 if report.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    commands = {"train": train, "export": export, "report": report, "weights": weights, "kernel": kernel, "data": data}
+    commands = {"train": train, "export": export, "report": report, "weights": weights, "kernel": kernel, "data": data,
+                "doctor": doctor}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         return 0 if not argv or argv[0] in ("-h", "--help") else 2

@@ -390,9 +390,9 @@ class AlgoConfig(_Section):
 
 
 class TrainConfig(_Section):
-    lr: float = Field(1e-4, gt=0)
-    """Policy learning rate (AdamW)."""
-    critic_lr: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-4, ge=0)
+    """Policy learning rate (AdamW); 0 steps without moving a weight (what `sess.doctor()` checks)."""
+    critic_lr: float = Field(1e-3, ge=0)
     """Critic learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
@@ -603,6 +603,13 @@ class Config(_Section):
                 raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
         return cls.from_dict(data, overrides)
 
+    @classmethod
+    def of(cls, cfg: Config | str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+        """A Config as a Session takes it: a Config (`overrides` applied), or a YAML path (None: defaults)."""
+        if isinstance(cfg, Config):
+            return cfg.override(*overrides) if overrides else cfg
+        return cls.load(cfg, overrides)
+
     def override(self, *overrides: str) -> Config:
         """A new Config with dotted `key=value` overrides applied."""
         return Config.from_dict(self.to_dict(), overrides)
@@ -613,11 +620,10 @@ class Config(_Section):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+    __str__ = to_yaml
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_yaml())
-
-    def __str__(self) -> str:
-        return self.to_yaml()
 
     def _repr_html_(self) -> str:
         from html import escape

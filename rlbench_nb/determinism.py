@@ -17,10 +17,19 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 
 import torch
 
 CUBLAS_WORKSPACE = ":4096:8"  # cuBLAS's deterministic reductions need it (CUDA docs, "Results reproducibility")
+
+
+def seed_process(cfg) -> None:
+    """The controller's process: its threads and algorithms (configure_process), and torch's and Python's
+    RNGs seeded with `run.seed`."""
+    configure_process(cfg.cluster.num_threads, cfg.run.deterministic)
+    torch.manual_seed(cfg.run.seed)
+    random.seed(cfg.run.seed)
 
 
 def configure_process(num_threads: int, deterministic: bool) -> None:

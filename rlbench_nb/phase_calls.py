@@ -1,26 +1,33 @@
-"""What each phase asks of which workers: the calls behind `Session.rollout`, `score`, `prepare` and
-`evaluate`. Session keeps the order of the phases, their metrics and the state they move; these functions
-only fan a batch out to the roles (side by side where the backend can) and gather what comes back.
+"""What each phase asks of which workers: the calls behind `Session.rollout`, `score`, `prepare`, `update`
+and `evaluate`. Session keeps the order of the phases and the state they move (progress.py, its `state`);
+these functions fan a batch out to the roles (side by side where the backend can), gather what comes back
+and return a new batch with the phase's metrics in `info["metrics"]`.
 
     started = start_rollout(workers, prompt_batch, cfg, env_cls, draw)  # the engines generate ...
     batch = collect_rollout(workers, prompts, started, step, max_new)  # ... and the batch comes back decoded
-    scored = rewards(workers, reward_inputs(batch), batch)             # rule fn (+ reward model), combined
+    batch = score(workers, batch, epoch)                                # rewards (+ the critic's values)
+    batch = prepare(workers, batch, cfg, kl_coef=..., epoch=..., reuse=reuses_logprobs(cfg, workers, step))
+    trainer_steps, moved, push = train(workers, batch, cfg.train, step, kl_coef, metrics)
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
+from .algos.prepare import advantages_for
 from .cluster.base import Pending, WorkerGroup, finish_all
 from .cluster.workers import Workers
-from .data.batch import Batch
+from .data.batch import Batch, minibatch_major
 from .determinism import sample_seeds
 from .metrics import compute
 from .prompts import PromptCodec, generate_inputs, reward_inputs
 from .roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker, RewardWorker
 from .roles.rollout.base import RolloutWorker
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,6 +113,99 @@ def scored_batch(batch: Batch, scored: Batch) -> Batch:
     if all(p is None for p in out.meta.get("reward_parts", ())):
         out.meta.pop("reward_parts", None)
     return out
+
+
+def score(workers: Workers, batch: Batch, epoch: int) -> Batch:
+    """`batch` with its rewards and their metrics; with a critic, its values computed beside the rewards on
+    the critic's own workers (the seed's PPO: critic and reward model score in parallel), kept with the
+    weights' `epoch` so prepare reuses them while the weights are the same."""
+    m = dict(batch.info.get("metrics", {}))
+    with compute.timed(m, "time/score_s"):
+        values_call = None if has_current_values(batch, epoch) else start_values(workers, batch)
+        scored, (values,) = finish_all(lambda: rewards(workers, reward_inputs(batch), batch), values_call)
+    out = scored_batch(batch, scored)
+    if values is not None:
+        out["values_BR"] = Batch.cat(values)["values_BR"]
+        out.info["values_epoch"] = epoch
+    m.update(compute.reward_metrics(out))
+    out.info["metrics"] = m
+    if m["reward/errors"]:
+        first = next(e for e in out["reward_error"] if e)
+        log.warning("%d reward error(s) this step; first: %s", m["reward/errors"], first)
+    return out
+
+
+def has_current_values(batch: Batch, epoch: int) -> bool:
+    """The batch's critic values were computed on the weights of `epoch` (guard.py's count of changes)."""
+    return "values_BR" in batch and batch.info.get("values_epoch") == epoch
+
+
+def prepare(workers: Workers, batch: Batch, cfg, *, kl_coef: float, epoch: int, reuse: bool) -> Batch:
+    """Old log-probs (policy), reference log-probs and KL, values (critic), advantages and returns, with
+    prepare's metrics. `reuse`: the old log-probs come from the update's own forward (reuses_logprobs)."""
+    m = dict(batch.info.get("metrics", {}))
+    t0 = time.perf_counter()
+    off_policy = batch.info.get("off_policy")
+    out = batch.replace()
+    if not off_policy:  # a batch prepared before: its old log-probs may be stale
+        out = Batch({k: v for k, v in out.tensors.items() if k not in ("old_logprobs_BR", "is_weights_BR")},
+                    out.meta, {k: v for k, v in out.info.items() if k != "kl_current"})
+    if off_policy:  # one step off-policy: the importance ratio is against the policy that generated the batch
+        out["old_logprobs_BR"] = batch["rollout_logprobs_BR"]
+    elif reuse:  # the update's own forward: valid only with these weights and settings
+        out.info["logprobs_epoch"] = epoch
+    calls = start_forwards(workers, batch, reference=cfg.uses_reference, logprobs=not off_policy and not reuse,
+                           values="critic" in workers and not has_current_values(batch, epoch))
+    for done in finish_all(lambda: None, *calls.values())[1]:
+        out.update(Batch.cat(done))
+    prepared = advantages_for(batch, out, cfg.algo, uses_reference=cfg.uses_reference, kl_coef=kl_coef)
+    out.update({**prepared.tensors, "advantage": prepared.advantage})
+    if prepared.kl_current is not None:  # the KL controller moves when the step is taken (update)
+        out.info["kl_current"] = prepared.kl_current
+    m.update(prepared.metrics)
+    seconds = time.perf_counter() - t0
+    m.update({"time/prepare_s": seconds, **compute.advantage_metrics(out),
+              **compute.throughput(out, "prepare", seconds)})
+    out.info["metrics"] = m
+    return out
+
+
+def reuses_logprobs(cfg, workers: Workers, step: int) -> bool:
+    """algo.reuse_logprobs, where it is exact: one epoch of one mini-batch, so every forward of the update
+    runs on the weights a separate forward in prepare() would have used. Not with algo.rollout_is (it weighs
+    the trainer's log-probs against the engine's before the update) nor with the KL in the reward (the
+    advantages need it before the update); a KL loss is measured by the update's forward."""
+    t, a = cfg.train, cfg.algo
+    return (a.reuse_logprobs and t.epochs == 1 and t.mini_batches == 1 and a.rollout_is == "off"
+            and not (cfg.uses_reference and a.kl_in == "reward")
+            and ("critic" not in workers or step >= t.critic_warmup))  # a policy update runs
+
+
+def train(workers: Workers, batch: Batch, t, step: int, kl_coef: float, m: dict) -> tuple[dict, bool, tuple | None]:
+    """The critic's and then the policy's optimizer steps on `batch` (the policy's from `t.critic_warmup`
+    on), their metrics into `m`. Returns (role -> its optimizer's step count now, whether the policy moved,
+    the weight push already queued behind the policy's update where the backend overlaps them, or None)."""
+    steps = {}
+    if "critic" in workers:
+        critic = workers.groups["critic"]
+        shards = minibatch_major(batch, t.mini_batches, critic.world_size)
+        m.update(compute.mean_over_ranks(critic.call_shards(CriticWorker.update, shards)))
+        steps["critic"] = int(m.pop("adam_steps"))
+    if step < t.critic_warmup:
+        return steps, False, None
+    policy = workers.groups["policy"]
+    pending = policy.submit_shards(PolicyWorker.update, minibatch_major(batch, t.mini_batches, policy.world_size),
+                                   kl_coef)
+    early = workers.start_sync(step + 1) if workers.pushes_behind_update() else None
+    m.update(compute.mean_over_ranks(policy.collect(pending)))
+    steps["policy"] = int(m.pop("adam_steps"))
+    return steps, True, early
+
+
+def push(workers: Workers, early: tuple | None, version: int) -> dict:
+    """The update's weights to the engines (`early`: the push train() queued behind the update; its
+    sync/s counts what it added after the update)."""
+    return workers.finish_sync(early, since=time.perf_counter()) if early else workers.sync(version)
 
 
 def submit(workers: Workers, role: str, method, batch: Batch) -> tuple[WorkerGroup, Pending]:

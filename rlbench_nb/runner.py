@@ -101,18 +101,18 @@ def run(sess: Session, steps: int | None = None, *, progress: bool = True, async
     if background:
         return BackgroundRun.start(sess, steps, async_rollout=async_rollout, max_staleness=max_staleness,
                                    on_failure=on_failure)
-    sess.state, sess.run_outcome = "running", "failed"
+    sess.state, sess.progress.run_outcome = "running", "failed"
     try:
         summary = run_loop(sess, steps, async_rollout=async_rollout, max_staleness=max_staleness,
                            on_failure=on_failure, progress=progress)
-        sess.run_outcome = "finished"
+        sess.progress.run_outcome = "finished"
     except KeyboardInterrupt:
-        sess.run_outcome = "stopped"
+        sess.progress.run_outcome = "stopped"
         raise
     finally:
         if sess.state == "running":
             sess.state = "ready"
-        sess.run_end_step = sess.step_count
+        sess.progress.run_end_step = sess.step_count
         sess.metrics.notify(None)  # views redraw with the end state
     return summary
 
@@ -142,7 +142,7 @@ def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, max_stal
     ahead = max_staleness if async_rollout else 0  # rollouts queued ahead of the step being trained
     t0 = time.time()
     start, target, restores, failed_at = sess.step_count, sess.step_count + steps, 0, -1
-    sess.run_target = target  # the dashboard's "step / total" and ETA
+    sess.progress.run_target = target  # the dashboard's "step / total" and ETA
     before = sess.evals[0] if sess.evals else sess.evaluate()
     bar = tqdm(total=steps, desc="train", disable=not progress, dynamic_ncols=True)
     pending: deque = deque()  # async: the next batches' rollouts, started before this step's update
@@ -157,7 +157,7 @@ def run_loop(sess: Session, steps: int, *, async_rollout: bool = False, max_stal
                     _catch_up(sess, start)
                 after = sess.evals[-1] if sess.evals and sess.evals[-1]["step"] == sess.step_count else sess.evaluate()
                 # not again when the cadence just saved it; a branch keeps its end state in memory (branches.py)
-                if sess.current_branch is None and sess.last_saved_step != sess.step_count:
+                if sess.current_branch is None and sess.progress.last_saved_step != sess.step_count:
                     sess.save(f"step_{sess.step_count}")
                 break
             except WorkerError as e:
@@ -206,17 +206,17 @@ def _one_step(sess: Session, pending: deque, ahead: int, target: int) -> dict:
         batch = sess.prepare(sess.score(batch))
     except KeyboardInterrupt:  # this step never happened: its prompts, and those queued after, come next
         _discard(sess, pending)
-        sess.sampler.load_state_dict(this.data_position)
+        sess.progress.sampler.load_state_dict(this.data_position)
         raise
     return sess.update(batch)
 
 
 def _start(sess: Session) -> _Ahead:
-    position = sess.sampler.state_dict()
+    position = sess.progress.sampler.state_dict()
     try:
         return _Ahead(sess.start_rollout(), sess.step_count, position)
     except KeyboardInterrupt:  # held until the draw was made (phases end first): give its prompts back
-        sess.sampler.load_state_dict(position)
+        sess.progress.sampler.load_state_dict(position)
         raise
 
 
@@ -224,7 +224,7 @@ def _discard(sess: Session, pending: deque) -> None:
     """Let queued rollouts finish quietly (their workers free again) and give their prompts back to the data
     order: the next rollout draws what the first of them drew."""
     if pending:
-        sess.sampler.load_state_dict(pending[0].data_position)
+        sess.progress.sampler.load_state_dict(pending[0].data_position)
     while pending:
         sess.discard_rollout(pending.popleft().started)
 
@@ -238,7 +238,7 @@ def _catch_up(sess: Session, start: int) -> None:
     if run.eval_every and step % run.eval_every == 0 and (not sess.evals or sess.evals[-1]["step"] != step):
         sess.evaluate()
     # a branch saves none: it keeps its end state in memory for adopt (branches.py)
-    if (run.checkpoint_every and step % run.checkpoint_every == 0 and sess.last_saved_step != step
+    if (run.checkpoint_every and step % run.checkpoint_every == 0 and sess.progress.last_saved_step != step
             and sess.current_branch is None):
         sess.save(f"step_{step}")
 
@@ -309,7 +309,7 @@ class BackgroundRun:
         except BaseException as e:  # kept for the dashboard and the next interaction
             self.error = e
         self._ended = True  # before the final redraw, so the dashboard says finished / stopped / failed
-        sess.run_outcome, sess.run_end_step = self.state, sess.step_count
+        sess.progress.run_outcome, sess.progress.run_end_step = self.state, sess.step_count
         sess.metrics.notify(None)  # final redraw with the end state
         return self.summary
 

@@ -13,13 +13,12 @@ function (metrics/compute.py) and returns a *new* batch: the one it was given is
 notebook cell can be re-run, and "before vs after" compares two objects. Phases change no hidden state
 but `rollout`'s data position and `update`'s step; an interrupt (Ctrl-C) waits for the phase to finish.
 
-Rooms: prompts.py (text <-> tokens), cluster/workers.py (roles and weight sync), metrics/log.py (history,
+Rooms: progress.py (step, data position, KL controller), phase_calls.py (what each phase asks of which
+workers), prompts.py (text <-> tokens), cluster/workers.py (roles and weight sync), metrics/log.py (history,
 sinks, subscribers), rundir.py (files), checkpoint.py (save/load), runner.py (the loop, background runs).
 """
 from __future__ import annotations
 
-import logging
-import random
 import shutil
 import time
 import weakref
@@ -27,17 +26,11 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
 from . import checkpoint, cluster, phase_calls, runner, views, whatif
-from .algos import make_kl_controller
-from .algos.prepare import advantages_for
-from .cluster.base import finish_all
 from .cluster.workers import Workers
 from .config import Config
-from .data.batch import Batch, minibatch_major
-from .data.datasets import PromptSampler
-from .determinism import configure_process
+from .data.batch import Batch
+from .determinism import seed_process
 from .errors import RunDirError, UsageError
 from .guard import SessionGuard, deferred_interrupts
 from .inputs import load_inputs
@@ -46,12 +39,11 @@ from .metrics.health import SkipWatch, mismatch_alarm
 from .metrics.log import MetricsLog
 from .metrics.trackers import make_trackers
 from .phase_calls import StartedRollout
-from .prompts import remember_tokenizer, reward_inputs
-from .roles import CriticWorker, PolicyWorker, role_specs
+from .progress import Progress
+from .prompts import remember_tokenizer
+from .roles import role_specs
 from .roles.rollout.base import RolloutWorker
 from .rundir import Lease, RunDir, fresh_run_dir
-
-log = logging.getLogger(__name__)
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # open sessions: `%rl status`, and scripts saving on Ctrl-C
 
@@ -74,57 +66,26 @@ class Session:
     def __init__(self, cfg: Config | str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                  run_dir: str | Path | None = None, *, take_over: bool = False, _attach: bool = False):
         """A session writing a new run directory (or `run_dir`), its one writer (rundir.Lease; `take_over=True`)."""
-        if cfg is None or isinstance(cfg, (str, Path)):
-            cfg = Config.load(cfg, overrides)
-        elif overrides:
-            cfg = cfg.override(*overrides)
-        self.cfg = cfg
+        self.cfg = cfg = Config.of(cfg, overrides)
         self.guard = SessionGuard()  # guard.py: one phase at a time, its owner thread, Ctrl-C held
-        configure_process(cfg.cluster.num_threads, cfg.run.deterministic)
-        torch.manual_seed(cfg.run.seed)
-        random.seed(cfg.run.seed)
+        seed_process(cfg)
         # under Ray the task, tokenizer and data load while this thread starts (or joins) the cluster
         cluster.while_connecting(cfg, lambda: self._load_inputs(run_dir))
-        if cfg.rollout.engine == "vllm" and cluster.in_process(cfg):
-            from .roles.rollout.vllm_engine import import_vllm
-            import_vllm()  # a missing install is one clear line before any worker starts
-        tok = self.prompts.tokenizer
-        specs = role_specs(cfg, str(self.task.model_dir), tok.eos_token_id, tok.pad_token_id, self._inputs.reward_fn,
-                           str(self.task.reward_model_dir), in_process=cluster.in_process(cfg))
+        specs = self._role_specs()
         self.rundir = RunDir(run_dir or fresh_run_dir(cfg))
         self.lease = Lease(self.run_dir)
         self.lease.acquire(take_over)  # before any worker starts: a refused second controller costs none
-        trackers = []
-        try:  # a session that never started holds nothing: its run directory, its tracker runs
-            self.rundir.write_config(cfg)
-            remember_tokenizer(self.run_dir, self.prompts.tokenizer, str(self.task.model_dir))
-            trackers = make_trackers(cfg.run.trackers, self.run_dir, cfg)  # before the workers: a bad one costs none
-            self.workers = Workers(cfg, specs, self.name, reward_fn=self._inputs.reward_fn, reattach=_attach)
-        except BaseException:
-            for tracker in trackers:
-                tracker.close()
-            self.lease.release()
-            raise
-        if not _attach:
-            self.workers.record_run(str(self.run_dir))
-
-        self.kl_ctrl = make_kl_controller(cfg.algo)
-        self.step_count = 0
-        self.trainer_steps: dict[str, int] = {}  # role -> its optimizer's step count after the last committed step
+        trackers = self._start_workers(specs, _attach)
         self.skips = SkipWatch(cfg.train.epochs * cfg.train.mini_batches, cfg.train.max_skipped_steps)
         self.metrics = MetricsLog(self.run_dir, cfg.run.tensorboard, trackers, cfg.run.tracker_samples)
         self.background = None              # the BackgroundRun, when one was started
-        self.run_target: int | None = None  # the step the current (or last) run() goes to
-        # how the last run() ended (finished, stopped, failed) and at which step; cleared by a step or a restore
-        self.run_outcome: str | None = None
-        self.run_end_step: int | None = None
-        self.last_saved_step: int | None = None  # the step of this session's newest checkpoint
         self.current_branch = None          # the Branch being run (set by branches.branch), or None: the main line
         self.branches: dict = {}            # name -> Branch, every branch this session ran
         self.state = "ready"
         if _attach:
             self.load_controller_state(self.rundir.read_state())
-            self._check_trainers_at_step()
+            if self.progress.trainers_ahead(self.workers):
+                self.state = "needs_resync"
         _LIVE.add(self)
 
     def _load_inputs(self, run_dir: str | Path | None = None) -> None:
@@ -132,9 +93,34 @@ class Session:
         self._inputs = inputs = load_inputs(self.cfg, run_dir)  # its reward_fn: what the reward workers start with
         self.task, self.prompts = inputs.task, inputs.prompts
         self.train_data, self.test_data = inputs.train_data, inputs.test_data
-        self.sampler = PromptSampler(len(self.train_data), self.cfg.data.batch_size, self.cfg.run.seed,
-                                     self.cfg.data.shuffle)
+        self.progress = Progress.start(self.cfg, len(self.train_data))  # step, data position, KL controller
         self._env_cls = inputs.env_cls
+
+    def _start_workers(self, specs: dict, attach: bool) -> list:
+        """The run directory's config and tokenizer, the trackers (returned) and the workers. A session that
+        never started holds nothing: its run's lease, its tracker runs."""
+        trackers = []
+        try:
+            self.rundir.write_config(self.cfg)
+            remember_tokenizer(self.run_dir, self.prompts.tokenizer, str(self.task.model_dir))
+            trackers = make_trackers(self.cfg.run.trackers, self.run_dir, self.cfg)  # a bad one costs no workers
+            self.workers = Workers(self.cfg, specs, self.name, reward_fn=self._inputs.reward_fn, reattach=attach)
+        except BaseException:
+            for tracker in trackers:
+                tracker.close()
+            self.lease.release()
+            raise
+        if not attach:
+            self.workers.record_run(str(self.run_dir))
+        return trackers
+
+    def _role_specs(self) -> dict:
+        if self.cfg.rollout.engine == "vllm" and cluster.in_process(self.cfg):
+            from .roles.rollout.vllm_engine import import_vllm
+            import_vllm()  # a missing install is one clear line before any worker starts
+        tok, task = self.prompts.tokenizer, self.task
+        return role_specs(self.cfg, str(task.model_dir), tok.eos_token_id, tok.pad_token_id, self._inputs.reward_fn,
+                          str(task.reward_model_dir), in_process=cluster.in_process(self.cfg))
 
     @classmethod
     def attach(cls, name: str, address: str | None = "auto", namespace: str = "rlbench-nb", *,
@@ -145,18 +131,6 @@ class Session:
         run_dir = Path(cluster.find_run(name, address, namespace)["run_dir"])
         return cls(Config.load(run_dir / "config.yaml"), run_dir=run_dir, take_over=take_over, _attach=True)
 
-    def _check_trainers_at_step(self) -> None:
-        """Attached: the trainers must be where the last committed step left them. A controller killed during
-        an update (or between it and its commit) leaves them past it: the session then needs `resync()`."""
-        ahead = self.workers.trainers_past(self.trainer_steps)
-        if ahead:
-            role, held = ahead
-            self.state = "needs_resync"
-            log.warning("the %s has taken %d optimizer steps, but this run's last committed step (%d) left it at "
-                        "%d: its controller was killed during step %d's update. Call sess.resync() to return every "
-                        "role to the latest checkpoint", role, held, self.step_count, self.trainer_steps[role],
-                        self.step_count + 1)
-
     # ---- what the session holds ------------------------------------------------------------------
     @property
     def state(self) -> str:
@@ -166,6 +140,11 @@ class Session:
     @state.setter
     def state(self, value: str) -> None:
         self.guard.state = value
+
+    @property
+    def step_count(self) -> int:
+        """Steps taken (updates committed) in this run: progress.py holds it."""
+        return self.progress.step
 
     @property
     def run_dir(self) -> Path:
@@ -228,8 +207,8 @@ class Session:
     def _submit_rollout(self, rows: list[dict] | None) -> StartedRollout:
         self.workers.catch_up(self.step_count)  # the last push failed after its update: push first
         if rows is None:
-            draw = ("train", self.sampler.state_dict())  # the data position: one draw's, whatever came before
-            rows = [self.train_data.rows[i] for i in self.sampler.next_indices()]
+            draw = ("train", self.progress.sampler.state_dict())  # the data position: one draw's, whatever came before
+            rows = [self.train_data.rows[i] for i in self.progress.sampler.next_indices()]
         else:
             draw = ("rows", self.step_count, [r["prompt"] for r in rows])  # what encode reads
         batch = self.prompts.encode(rows, self.cfg.rollout.n, tag=f"s{self.step_count}")
@@ -253,70 +232,17 @@ class Session:
         reused by `prepare` while the weights are unchanged. Re-scoring a prepared batch drops its advantages:
         prepare it again."""
         with self._phase("score"):
-            m = dict(batch.info.get("metrics", {}))
-            with compute.timed(m, "time/score_s"):
-                # the critic's value pass beside the rewards, on its own workers (the seed's PPO: critic and
-                # reward model score in parallel); prepare reuses the values while the weights are the same
-                values_call = None if self._has_current_values(batch) else phase_calls.start_values(self.workers, batch)
-                scored, (values,) = finish_all(lambda: phase_calls.rewards(self.workers, reward_inputs(batch), batch),
-                                                values_call)
-            out = phase_calls.scored_batch(batch, scored)
-            if values is not None:
-                out["values_BR"] = Batch.cat(values)["values_BR"]
-                out.info["values_epoch"] = self.guard.epoch
-            m.update(compute.reward_metrics(out))
-            out.info["metrics"] = m
-            if m["reward/errors"]:
-                first = next(e for e in out["reward_error"] if e)
-                log.warning("%d reward error(s) this step; first: %s", m["reward/errors"], first)
-            return out
-
-    def _has_current_values(self, batch: Batch) -> bool:
-        return "values_BR" in batch and batch.info.get("values_epoch") == self.guard.epoch
+            return phase_calls.score(self.workers, batch, self.guard.epoch)
 
     def prepare(self, batch: Batch) -> Batch:
         """Old log-probs (policy), reference log-probs and KL, values (critic), advantages and returns.
         Moves no state: preparing the same batch twice gives the same batch."""
-        a = self.cfg.algo
         with self._phase("prepare"):
-            m = dict(batch.info.get("metrics", {}))
-            t0 = time.perf_counter()
-            out = batch.replace()
-            if not batch.info.get("off_policy"):  # a batch prepared before: its old log-probs may be stale
-                out = Batch({k: v for k, v in out.tensors.items() if k not in ("old_logprobs_BR", "is_weights_BR")},
-                            out.meta, {k: v for k, v in out.info.items() if k != "kl_current"})
-            if batch.info.get("off_policy"):
-                # one step off-policy: the importance ratio is against the policy that generated the batch
-                out["old_logprobs_BR"] = batch["rollout_logprobs_BR"]
-            elif self._reuses_logprobs():  # the update's own forward: valid only with these weights and settings
-                out.info["logprobs_epoch"] = self.guard.epoch
-            calls = phase_calls.start_forwards(
-                self.workers, batch, reference=self.cfg.uses_reference,
-                logprobs=not batch.info.get("off_policy") and not self._reuses_logprobs(),
-                values="critic" in self.groups and not self._has_current_values(batch))
-            for done in finish_all(lambda: None, *calls.values())[1]:
-                out.update(Batch.cat(done))
-            prepared = advantages_for(batch, out, a, uses_reference=self.cfg.uses_reference,
-                                      kl_coef=self.kl_ctrl.value)
-            out.update({**prepared.tensors, "advantage": prepared.advantage})
-            if prepared.kl_current is not None:  # the KL controller moves when the step is taken (update)
-                out.info["kl_current"] = prepared.kl_current
-            m.update(prepared.metrics)
-            seconds = time.perf_counter() - t0
-            m.update({"time/prepare_s": seconds, **compute.advantage_metrics(out),
-                      **compute.throughput(out, "prepare", seconds)})
-            out.info["metrics"] = m
-            return out
+            return phase_calls.prepare(self.workers, batch, self.cfg, kl_coef=self.progress.kl.value,
+                                       epoch=self.guard.epoch, reuse=self._reuses_logprobs())
 
     def _reuses_logprobs(self) -> bool:
-        """algo.reuse_logprobs, where it is exact: one epoch of one mini-batch, so every forward of the update
-        runs on the weights a separate forward in prepare() would have used. Not with algo.rollout_is (it weighs
-        the trainer's log-probs against the engine's before the update) nor with the KL in the reward (the
-        advantages need it before the update); a KL loss is measured by the update's forward."""
-        t, a = self.cfg.train, self.cfg.algo
-        return (a.reuse_logprobs and t.epochs == 1 and t.mini_batches == 1 and a.rollout_is == "off"
-                and not (self.cfg.uses_reference and a.kl_in == "reward")
-                and ("critic" not in self.groups or self.step_count >= t.critic_warmup))  # a policy update runs
+        return phase_calls.reuses_logprobs(self.cfg, self.workers, self.step_count)
 
     def update(self, batch: Batch) -> dict:
         """Critic and policy optimizer steps on `batch`, then the weights to the rollout engine. Ends the
@@ -346,27 +272,15 @@ class Session:
         """The optimizer steps, then the weight push. A trainer that fails may have applied part of its
         step: the session then refuses phases until `resync()`. A push that fails after the update still
         counts the step (the trainers did move): the engine is re-synced before the next rollout."""
-        t = self.cfg.train
         try:
-            if "critic" in self.groups:
-                critic = self.groups["critic"]
-                shards = minibatch_major(batch, t.mini_batches, critic.world_size)
-                m.update(compute.mean_over_ranks(critic.call_shards(CriticWorker.update, shards)))
-                self.trainer_steps["critic"] = int(m.pop("adam_steps"))
-            if self.step_count < t.critic_warmup:
-                return
-            policy = self.groups["policy"]
-            shards = minibatch_major(batch, t.mini_batches, policy.world_size)
-            pending = policy.submit_shards(PolicyWorker.update, shards, self.kl_ctrl.value)
-            early = self.workers.start_sync(self.step_count + 1) if self.workers.pushes_behind_update() else None
-            m.update(compute.mean_over_ranks(policy.collect(pending)))
-            self.trainer_steps["policy"] = int(m.pop("adam_steps"))
+            steps, moved, early = phase_calls.train(self.workers, batch, self.cfg.train, self.step_count,
+                                                    self.progress.kl.value, m)
+            self.progress.trainer_steps.update(steps)
         except BaseException:
             self.state = "needs_resync"
             raise
-        try:  # sync/s of a push queued behind the update: what it added after the update
-            m.update(self.workers.finish_sync(early, since=time.perf_counter()) if early
-                     else self.workers.sync(self.step_count + 1))
+        try:  # the critic's warm-up: the policy did not move, nothing to push
+            m.update(phase_calls.push(self.workers, early, self.step_count + 1) if moved else {})
         except Exception:  # workers.push_failed: the next rollout pushes again first
             self._commit_step(batch, m)
             raise
@@ -397,11 +311,8 @@ class Session:
 
     def _record_step(self, batch: Batch, m: dict) -> None:
         self.lease.renew()  # first: a session taken over mid-step writes nothing more
-        self.step_count += 1
-        self.run_outcome = None  # moved on from the last run's end (a run sets it again when it ends)
-        current = m.pop("kl_current", batch.info.get("kl_current"))  # the update's own, when it measured it
-        if current is not None:
-            self.kl_ctrl.update(current, n_steps=len(batch))
+        # the KL the update's own forward measured, else prepare's
+        self.progress.commit(m.pop("kl_current", batch.info.get("kl_current")), len(batch))
         self.metrics.record_step(self.step_count, m)
         self.rundir.write_state(self.controller_state())
 
@@ -410,12 +321,12 @@ class Session:
 
         Interrupted (Ctrl-C) before its update, the step never happened: the data position and the
         rollout's sampling RNG go back to where they were, so a checkpoint saved now resumes exactly."""
-        data_position = self.sampler.state_dict()
+        data_position = self.progress.sampler.state_dict()
         try:
             batch = self.prepare(self.score(self.rollout()))
         except KeyboardInterrupt:
             with deferred_interrupts("rewinding the interrupted step"):
-                self.sampler.load_state_dict(data_position)
+                self.progress.sampler.load_state_dict(data_position)
                 self.groups["rollout"].call(RolloutWorker.rewind, f"s{self.step_count}")  # this step's draw, if it ran
             raise
         return self.update(batch)
@@ -462,6 +373,7 @@ class Session:
     adopt = whatif.adopt
     replay = whatif.replay
     compare = whatif.compare
+    doctor = whatif.doctor
 
     # ---- workers --------------------------------------------------------------------------------
     def restart(self, *roles: str) -> Session:
@@ -519,17 +431,12 @@ class Session:
     def controller_state(self) -> dict:
         """What the controller itself holds (the workers hold the rest): saved with every checkpoint and
         after every step (controller_state.json, read by `attach`)."""
-        return {"step": self.step_count, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "evals": self.evals, "run_dir": str(self.run_dir), "trainer_steps": dict(self.trainer_steps)}
+        return {**self.progress.state_dict(), "evals": self.evals, "run_dir": str(self.run_dir)}
 
     def load_controller_state(self, state: dict, metrics: bool = True) -> None:
         """`metrics`: also align the metrics log (rows past the step move aside); a branch returning to the
         main line, whose rows went elsewhere, passes False."""
-        self.step_count = state["step"]
-        self.run_outcome = None  # another state than the one the last run ended in
-        self.trainer_steps = dict(state.get("trainer_steps", {}))  # absent in runs from before it was kept
-        self.sampler.load_state_dict(state["sampler"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.progress.load_state_dict(state)
         if metrics:
             self.metrics.restore(self.step_count, state["evals"])
 

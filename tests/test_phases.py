@@ -56,13 +56,13 @@ def test_preparing_twice_moves_the_adaptive_kl_controller_once_per_step(small_cf
     with rl.Session(cfg) as sess:
         sess.step()  # the policy moves away from the reference: KL > 0
         batch = sess.score(sess.rollout())
-        value = sess.kl_ctrl.value
+        value = sess.progress.kl.value
         first, second = sess.prepare(batch), sess.prepare(batch)
-        assert sess.kl_ctrl.value == value  # re-running a prepare cell moves nothing
+        assert sess.progress.kl.value == value  # re-running a prepare cell moves nothing
         assert torch.equal(first["advantages_BR"], second["advantages_BR"])
         sess.update(first)
         # Ziegler et al.: value *= 1 + clip(kl / target - 1, +-0.2) * n / horizon, once
-        assert sess.kl_ctrl.value == pytest.approx(value * (1 + 0.2 * len(batch) / 10))
+        assert sess.progress.kl.value == pytest.approx(value * (1 + 0.2 * len(batch) / 10))
 
 
 def test_the_critics_values_come_with_the_score_and_are_reused_only_under_the_same_weights(small_cfg):

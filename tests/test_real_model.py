@@ -53,6 +53,18 @@ def sampled(real_session):
     return real_session.prepare(real_session.score(real_session.rollout()))
 
 
+@pytest.mark.slow
+def test_the_doctor_passes_on_the_real_model(real_session):
+    """sess.doctor() on the real model in fp32: every check passes, each measured (none skipped but the KL to a
+    reference this session does not have), and the session's step and data position are as they were."""
+    state = real_session.controller_state()
+    report = real_session.doctor(rows=2)
+    assert report.ok, str(report)
+    skipped = [c.name for c in report.checks if c.ok is None]
+    assert skipped == ["KL to the reference at step 0"], str(report)
+    assert real_session.controller_state() == state
+
+
 def _alone_logits(model, prompt: list[int], response: list[int]) -> torch.Tensor:
     """Logits predicting each response token, from one unpadded sequence alone (batch of one)."""
     ids = torch.tensor([prompt + response])

@@ -79,9 +79,9 @@ def _weights_after_one_step(cfg, run_dir, *, redone: bool) -> str:
     import hashlib
     with rl.Session(cfg, run_dir=run_dir) as sess:
         if redone:
-            committed = sess.sampler.state_dict()
+            committed = sess.progress.sampler.state_dict()
             sess.rollout()  # the rollout the kill cut short
-            sess.sampler.load_state_dict(committed)  # what attach reads back from controller_state.json
+            sess.progress.sampler.load_state_dict(committed)  # what attach reads back from controller_state.json
         sess.step()
         w = sess.groups["policy"].call("get_weights")[0]
         return hashlib.sha256(b"".join(w[k].numpy().tobytes() for k in sorted(w))).hexdigest()

@@ -28,7 +28,7 @@ def _state_digest(sess) -> dict:
              for i, st in enumerate(policy.optimizer.state.values())}
     return {"weights": {k: v.clone() for k, v in policy.model.state_dict().items()}, "optim": optim,
             "lr": [g["lr"] for g in policy.optimizer.param_groups], "rng": torch.get_rng_state().clone(),
-            "data": sess.sampler.state_dict(), "step": sess.step_count, "cfg": sess.cfg.to_dict()}
+            "data": sess.progress.sampler.state_dict(), "step": sess.step_count, "cfg": sess.cfg.to_dict()}
 
 
 def _same(a, b) -> bool:
@@ -86,7 +86,8 @@ def test_a_fork_leaves_the_main_line_untouched_and_adopt_continues_from_it(small
         before, main_rows = _state_digest(sess), (sess.run_dir / "metrics.jsonl").read_text()
         b = sess.fork("lr-high", 3, "train.lr=1e-3", "algo.clip_high=0.28", progress=False)
         assert _same(_state_digest(sess), before)  # weights, optimizer, lr, RNG, data position, step, config
-        assert (sess.run_target, sess.run_outcome) == (None, None)  # the branch's run is not the main line's
+        # the branch's run is not the main line's
+        assert (sess.progress.run_target, sess.progress.run_outcome) == (None, None)
         assert (sess.run_dir / "metrics.jsonl").read_text() == main_rows  # the branch wrote elsewhere
         assert [r["step"] for r in b.history] == [2, 3, 4] and b.cfg.train.lr == 1e-3
         assert [r["step"] for r in read_jsonl(b.path / "metrics.jsonl") if "reward/mean" in r] == [2, 3, 4]

@@ -51,7 +51,8 @@ def ppo_policy_loss(logprobs_BR: torch.Tensor, old_logprobs_BR: torch.Tensor, ad
     """Per-token clipped surrogate loss: max(-A r, -A clip(r, 1-clip_low, 1+clip_high)).
 
     With `dual_clip=c` (c > 1), losses of tokens with A < 0 are further capped at -A c (Ye et al. 2020).
-    Returns (loss_BR, stats) with stats clip_frac, clip_frac_lower (dual clip) and approx_kl (k1 of old||new).
+    Returns (loss_BR, stats) with stats clip_frac, clip_frac_lower (dual clip), approx_kl (k1 of old||new)
+    and log_ratio_abs (mean |log r|: approx_kl's terms can cancel, these cannot).
     """
     log_ratio = (logprobs_BR - old_logprobs_BR).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
@@ -61,6 +62,7 @@ def ppo_policy_loss(logprobs_BR: torch.Tensor, old_logprobs_BR: torch.Tensor, ad
     stats = {
         "clip_frac": masked_mean((loss2 > loss1).float(), mask_BR).item(),
         "approx_kl": masked_mean(-log_ratio, mask_BR).item(),
+        "log_ratio_abs": masked_mean(log_ratio.abs(), mask_BR).item(),  # 0 only where every token's ratio is 1
     }
     if dual_clip is not None:
         loss3 = -advantages_BR * dual_clip

@@ -42,7 +42,7 @@ def check_placement(cfg, roles: list[str]) -> None:
     if cfg.cluster.backend != "ray":
         return
     from .pools import check_fits, ray_nodes
-    from .ray_backend import attach
+    from .ray_connect import attach
     attach(cfg)
     check_fits(cfg, {r: 0 if host_role(cfg, r) else world_size_for(cfg, r) for r in roles}, ray_nodes())
 
@@ -56,7 +56,7 @@ def while_connecting(cfg, work: Callable[[], None]) -> None:
         return work()
     from concurrent.futures import ThreadPoolExecutor
 
-    from .ray_backend import attach
+    from .ray_connect import attach
     pool = ThreadPoolExecutor(1, thread_name_prefix="session-load")
     loading = pool.submit(work)
     pool.shutdown(wait=False)  # its thread ends with `work`; Ctrl-C here does not wait for it
@@ -73,7 +73,8 @@ def make_group(cfg, role: str, worker_cls, *args, name: str = "run", host=None, 
     ranks live in `host`'s actors (another role's group). `wait=False`: under Ray, return once the actors
     are asked to start (`group.ready()` waits for them)."""
     if cfg.cluster.backend == "ray":
-        from .ray_backend import RayWorkerGroup, attach
+        from .ray_backend import RayWorkerGroup
+        from .ray_connect import attach
         attach(cfg)
         return RayWorkerGroup(cfg, role, worker_cls, world_size_for(cfg, role), *args, name=name, host=host,
                               wait=wait)
@@ -92,7 +93,7 @@ def reattach_group(cfg, role: str, name: str, host=None):
 def find_run(name: str, address: str | None, namespace: str) -> dict:
     """What a detached run's policy actor recorded about itself (its run directory): connects to the Ray
     cluster at `address` first."""
-    from .ray_backend import find_run as find
+    from .ray_connect import find_run as find
     return find(name, address, namespace)
 
 
@@ -100,7 +101,7 @@ def disconnect(cfg) -> None:
     """Stop the embedded Ray this process started for `cfg` (nothing for the local backend or a cluster
     someone else started)."""
     if cfg.cluster.backend == "ray":
-        from .ray_backend import shutdown_if_ours
+        from .ray_connect import shutdown_if_ours
         shutdown_if_ours()
 
 

@@ -7,21 +7,22 @@ Ranks of one role are placed with a placement group and joined in a torch.distri
 CPU, NCCL on GPU) so trainer roles can shard with FSDP2. Every call returns the worker's memory
 snapshot alongside its result (no extra round trip). Failures come back as `WorkerError` /
 `WorkerDiedError` naming role, rank and method, never as a bare Ray traceback.
+
+Its rooms: ray_connect.py (joining or starting the cluster, finding a detached run), ray_actor.py (the actor
+process behind each rank), this file (a role's ranks as one group: calls, their results and failures).
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from ..data.batch import Batch
-from ..data.packed import PackedTensors
 from .base import CallRecord, Method, Pending, by_reference
 from .errors import OOM_KNOBS, ClusterError, WorkerDiedError, WorkerError, is_out_of_memory
 from .pools import placement
-from .transport import SharedMemoryWriter, SharedTensors, pack
+from .ray_actor import WorkerActor
+from .ray_connect import lost_cluster_error
 
-_STARTED_BY_US = False
 # How long a rank's lost connection waits for Ray to report the peer that died (Ray notices a killed
 # actor within about a second; gloo notices the closed socket at once).
 PEER_GRACE_S = 10.0
@@ -32,199 +33,6 @@ _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken p
 
 def _lost_a_peer(message: str) -> bool:
     return any(s.lower() in message.lower() for s in _PEER_LOST)
-
-
-def attach(cfg) -> dict:
-    """Connect to Ray: an existing cluster at `cluster.address`, or an embedded one on loopback."""
-    global _STARTED_BY_US
-    import ray
-    c = cfg.cluster
-    if ray.is_initialized():
-        return ray.cluster_resources()
-    t0 = time.time()
-    # no address: the cluster a `ray job submit` driver runs in (RAY_ADDRESS), else an embedded one: never a
-    # `ray start` cluster that happens to run on this machine (ray.init() alone would join the newest one)
-    address = c.address or os.environ.get("RAY_ADDRESS") or None
-    if address and address != "auto":
-        _check_reachable(address)  # ray.init itself retries for many minutes on a dead address
-    try:
-        if address:
-            ray.init(address=address, namespace=c.namespace, log_to_driver=c.log_to_driver)
-        else:
-            ray.init(address="local", num_cpus=c.num_cpus or os.cpu_count(), include_dashboard=c.dashboard,
-                     namespace=c.namespace, log_to_driver=c.log_to_driver)
-            _STARTED_BY_US = True
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        where = f"the Ray cluster at {address!r}" if address else "an embedded Ray"
-        raise ClusterError(f"could not start or reach {where}: {str(e).splitlines()[0]} — check the address "
-                           "(`ray status` on the head), that RAY_AUTH_MODE=token was set before ray was imported "
-                           "when the cluster uses a token, or unset cluster.address for an embedded cluster") from None
-    import logging
-    logging.getLogger(__name__).info("ray attached in %.1fs: %s", time.time() - t0, ray.cluster_resources())
-    return ray.cluster_resources()
-
-
-def find_run(name: str, address: str | None, namespace: str) -> dict:
-    """The meta a detached run's policy rank 0 keeps (its run directory), connecting to `address` first."""
-    import ray
-    if not ray.is_initialized():
-        if address and address != "auto":
-            _check_reachable(address)
-        try:
-            ray.init(address=address, namespace=namespace, log_to_driver=False)
-        except (ConnectionError, RuntimeError) as e:
-            raise ClusterError(f"could not reach the Ray cluster at {address!r}: {str(e).splitlines()[0]}") from None
-    try:
-        policy0 = ray.get_actor(f"{name}/policy/0", namespace=namespace)
-    except ValueError:
-        live = sorted({a["name"].split("/")[0] for a in ray.util.list_named_actors(True)
-                       if a["namespace"] == namespace})
-        raise ClusterError(f"no run named '{name}' in Ray namespace '{namespace}' (live runs: {live})") from None
-    return ray.get(policy0.get_meta.remote())
-
-
-def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    import socket
-    hostport = address.split("://", 1)[-1]
-    host, _, port = hostport.rpartition(":")
-    try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
-            pass
-    except (OSError, ValueError) as e:
-        raise ClusterError(f"could not start or reach the Ray cluster at cluster.address={address!r}: nothing "
-                           f"answers there ({e}) — start it with `ray start --head`, check the address "
-                           "(`ray status` on the head), or unset cluster.address for an embedded cluster") from None
-
-
-def _lost_cluster_error() -> ClusterError | None:
-    """A ClusterError when the cluster's head (GCS) no longer answers, else None."""
-    import ray
-    try:
-        address = ray.get_runtime_context().gcs_address
-        _check_reachable(address, timeout_s=2.0)
-    except ClusterError:
-        return ClusterError(f"lost the Ray cluster at {address}: its head no longer answers, so every worker is "
-                            "gone. Start the cluster again and continue from the latest checkpoint: "
-                            "Session.load(run_dir) in Python, or `rlbench-nb train --resume RUN_DIR`")
-    except Exception:  # anything else: the head may be fine; the caller reports the worker's own error
-        return None
-
-
-def shutdown_if_ours() -> None:
-    global _STARTED_BY_US
-    import ray
-    if _STARTED_BY_US and ray.is_initialized():
-        ray.shutdown()
-        _STARTED_BY_US = False
-
-
-class _Stashed:
-    """A result kept in the producing actor for a role hosted in the same process (`rollout.colocate`)."""
-
-
-class _WorkerActor:
-    """Hosts one rank of one role, and of any role colocated with it (`rollout.colocate`: the rollout
-    engine in the policy's processes). Plain class; `ray.remote` is applied in RayWorkerGroup."""
-
-    def __init__(self, role: str, rank: int, world: int, seed: int, num_threads: int, deterministic: bool,
-                 pool: str = "default", device: str = "auto"):
-        import torch
-        import transformers
-
-        from ..determinism import configure_process
-        from ..roles.common import prefer_device
-        prefer_device(device, pool)  # before any worker picks its device
-        self.pool = pool
-        transformers.logging.disable_progress_bar()  # one bar per actor per load is noise in a notebook
-        self.role, self.rank, self.world = role, rank, world
-        configure_process(num_threads, deterministic)
-        torch.manual_seed(seed + rank)
-        import random
-        random.seed(seed + rank)
-        self.workers: dict[str, Any] = {}  # role -> worker object; the actor's own role first
-        self._shm: SharedMemoryWriter | None = None  # weights pushed to a consumer on this node
-        self._stash: Any = None  # weights handed to a colocated role without leaving the process
-        self.meta: dict = {}  # what a controller attaching later needs to find (e.g. the run directory)
-
-    def set_meta(self, meta: dict) -> None:
-        self.meta = dict(meta)
-
-    def get_meta(self) -> dict:
-        return self.meta
-
-    def address(self) -> tuple[str, int]:
-        import socket
-
-        import ray
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
-
-    def setup(self, master: tuple[str, int] | None, worker_cls, args, kwargs, role: str | None = None) -> dict:
-        role = role or self.role
-        if master and self.world > 1:
-            import torch
-            import torch.distributed as dist
-            os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
-                              WORLD_SIZE=str(self.world))
-            backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, rank=self.rank, world_size=self.world)
-        try:
-            self.workers[role] = worker_cls(*args, **kwargs)
-        except Exception as e:
-            raise WorkerError.from_exception(role, self.rank, "__init__", e) from None
-        return self.info(role)
-
-    def drop(self, role: str) -> None:
-        """Close and forget a hosted role's worker (its own restart, or the session's close)."""
-        worker = self.workers.pop(role, None)
-        if hasattr(worker, "close"):
-            worker.close()
-
-    def info(self, role: str | None = None) -> dict:
-        """Where this rank runs. Several Ray nodes can share one machine (one IP): `node_id` tells them apart."""
-        import ray
-        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "pool": self.pool,
-                "node_id": ray.get_runtime_context().get_node_id(),
-                "device": str(getattr(self.workers.get(role or self.role), "device", "cpu"))}
-
-    def call(self, role: str, method: str, *args, **kwargs):
-        """(result, memory snapshot, seconds inside the method)."""
-        from ..metrics.memory import memory_snapshot
-        args = tuple(self._arg(a) for a in args)
-        t0 = time.perf_counter()
-        try:
-            result = getattr(self.workers[role], method)(*args, **kwargs)
-        except Exception as e:
-            raise WorkerError.from_exception(role, self.rank, method, e) from None
-        return result, memory_snapshot(), time.perf_counter() - t0
-
-    def _arg(self, a):
-        if isinstance(a, _Stashed):
-            a, self._stash = self._stash, None
-        return a.unpack() if isinstance(a, (PackedTensors, SharedTensors)) else a
-
-    def call_stored(self, role: str, method: str, *args, where: str = "store", **kwargs):
-        """`call`, as two returns: the result, which the controller passes on by reference (bytes go from
-        this process to the next one's, not through the controller), and the (None, memory, seconds)
-        status. A dict of tensors goes as one flat buffer (`transport`): `where` = "store" (Ray's object
-        store), "shm" (this node's shared memory) or "here" (kept for a role hosted in this process)."""
-        result, mem, work_s = self.call(role, method, *args, **kwargs)
-        if where == "here":
-            self._stash = result
-            return _Stashed(), (None, mem, work_s)
-        if isinstance(result, dict) and result and all(hasattr(v, "untyped_storage") for v in result.values()):
-            if where == "shm" and self._shm is None:
-                self._shm = SharedMemoryWriter(f"{role}{self.rank}")
-            result = pack(result, self._shm if where == "shm" else None)
-        return result, (None, mem, work_s)
-
-    def close_worker(self) -> None:
-        if self._shm is not None:
-            self._shm.close()
-        for role in list(self.workers)[::-1]:  # hosted roles first
-            self.drop(role)
 
 
 class RayWorkerGroup:
@@ -267,7 +75,7 @@ class RayWorkerGroup:
                 f"place it within {c.placement_timeout_s:.0f}s; it has {ray.cluster_resources()} in all and "
                 f"{ray.available_resources()} free — lower cluster.train_ranks / cluster.rollout_ranks / "
                 "the per-worker share (cluster.cpus_per_worker, cluster.pools) or add nodes")
-        actor_cls = ray.remote(_WorkerActor)
+        actor_cls = ray.remote(WorkerActor)
         lifetime = "detached" if c.detached else None
         custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
         self.actors = [
@@ -356,7 +164,7 @@ class RayWorkerGroup:
         return WorkerError(self.role, rank, method, str(e).splitlines()[-1], None, str(e))
 
     def _death(self, e, rank: int, method: str) -> ClusterError | WorkerDiedError:
-        lost = _lost_cluster_error()
+        lost = lost_cluster_error()
         if lost is not None:
             return lost
         last = self.memory.get(rank, {})

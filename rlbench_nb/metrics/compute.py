@@ -1,5 +1,5 @@
 """Metrics as functions of a phase's batch: the controller only collects them (as verl's
-`compute_data_metrics`). Keys are `group/name`; the README's table says what each means."""
+`compute_data_metrics`). Keys are `group/name`; docs/metrics.md says what each means."""
 from __future__ import annotations
 
 import time

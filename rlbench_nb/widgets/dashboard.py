@@ -163,11 +163,11 @@ class Dashboard:
         bg = s.background
         if bg is not None and not bg.done:
             state = bg.state
-        elif s.state == "ready" and s.run_outcome and s.step_count == s.run_end_step:
-            state = s.run_outcome
+        elif s.state == "ready" and s.progress.run_outcome and s.step_count == s.progress.run_end_step:
+            state = s.progress.run_outcome
         else:
             state = s.state
-        return header_facts(s.history, s.evals, state, s.run_target)
+        return header_facts(s.history, s.evals, state, s.progress.run_target)
 
     def _header_html(self) -> str:
         s = self.session

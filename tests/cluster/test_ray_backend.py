@@ -524,7 +524,7 @@ def test_a_session_loads_its_task_while_ray_starts_and_its_own_error_comes_first
     import threading
 
     from rlbench_nb import cluster
-    from rlbench_nb.cluster import ray_backend
+    from rlbench_nb.cluster import ray_connect
     from rlbench_nb.config import ConfigError
     cfg = small_cfg(*RAY)
     began, threads = threading.Event(), {}
@@ -543,11 +543,11 @@ def test_a_session_loads_its_task_while_ray_starts_and_its_own_error_comes_first
             raise ConfigError("task.name='arith' is not a task")
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)  # a process not connected yet
-    monkeypatch.setattr(ray_backend, "attach", start)
+    monkeypatch.setattr(ray_connect, "attach", start)
     cluster.while_connecting(cfg, load)
     assert threads["ray"] is threading.main_thread() and threads["load"] is not threading.main_thread()
     began.clear()
-    monkeypatch.setattr(ray_backend, "attach", lambda c: start(c, fail=True))
+    monkeypatch.setattr(ray_connect, "attach", lambda c: start(c, fail=True))
     with pytest.raises(ConfigError, match="is not a task"):
         cluster.while_connecting(cfg, lambda: load(fail=True))
     began.clear()

@@ -48,7 +48,7 @@ def _step(cfg, with_kl_coef: bool = False):
     assert row["update/skipped"] == 0
     beta1 = worker.optimizer.param_groups[0]["betas"][0]
     grads = {name: worker.optimizer.state[p]["exp_avg"] / (1 - beta1) for name, p in worker.model.named_parameters()}
-    coef = sess.kl_ctrl.value
+    coef = sess.progress.kl.value
     sess.close()
     return (_metrics(row), grads, coef) if with_kl_coef else (_metrics(row), grads)
 
