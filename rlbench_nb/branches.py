@@ -173,20 +173,23 @@ def branch(sess: Session, name: str, overrides=(), reward=None, keep: bool = Tru
         sess.metrics.evals = list(main_metrics.evals)  # what the branch starts from ("before")
         yield b
     finally:
-        b.history = list(sess.metrics.history)
-        b.evals = [e for e in sess.metrics.evals if e["step"] > b.start_step]
-        sess.metrics.close()
+        if sess.metrics is not main_metrics:  # not when the branch's own folder could not be made
+            b.history = list(sess.metrics.history)
+            b.evals = [e for e in sess.metrics.evals if e["step"] > b.start_step]
+            sess.metrics.close()
         try:
             if keep and sess.step_count > b.start_step and sess.state == "ready":
                 b.end = snapshots.take(sess)
         finally:
             with deferred_interrupts("returning to the main line"):  # never left half-way, even on Ctrl-C
                 sess.rundir, sess.metrics, sess.current_branch = main_rundir, main_metrics, None
-                snapshots.restore(sess, start, history=False)  # also the main config and reward function
+                sess.branches[name] = b
+                # also the main config and reward function; a failure (a worker, a write: needs_resync) keeps
+                # the start snapshot held, so nothing it alone knew is lost
+                snapshots.restore(sess, start, history=False)
                 progress.run_target, progress.run_outcome, progress.run_end_step = main_run
                 start.release()
                 b._start = None
-                sess.branches[name] = b
 
 
 def fork(sess: Session, name: str, steps: int, overrides=(), reward=None, progress: bool = True) -> Branch:

@@ -65,7 +65,10 @@ class Report:
         return [c for c in self.checks if c.ok is False]
 
     def __getitem__(self, name: str) -> Check:
-        return next(c for c in self.checks if c.name == name)
+        for check in self.checks:
+            if check.name == name:
+                return check
+        raise KeyError(f"no check named {name!r}; these ran: {[c.name for c in self.checks]}")
 
     def __str__(self) -> str:
         passed = sum(c.ok is True for c in self.checks)
@@ -112,6 +115,7 @@ def _step(sess: Session, data: list[dict], b, done: list[str], checks: list[Chec
     prepared = sess.prepare(scored)
     done.append("prepare")
     checks.append(logprob_values(batch, prepared))
+    checks.append(adapter_in_engine(sess, batch, prepared))
     checks += update_checks(sess, sess.update(prepared), was_step_zero, b)
 
 
@@ -225,6 +229,27 @@ def logprob_values(batch, prepared) -> Check:
                  "the trainer's is below -1e-3",
                  "the engine did not return log-probs for these tokens (a missing logprobs request, a dropped "
                  "field zero-filled): importance ratios on them are wrong")
+
+
+def adapter_in_engine(sess: Session, batch, prepared) -> Check:
+    """With LoRA: the engine samples from the adapted model, not the base one. The trainer's log-probs with
+    the adapters on and off say how far the adapter moves the model; the engine's must have moved with it."""
+    from .roles import PolicyWorker
+    name = "the LoRA adapter reaches the engine"
+    if not sess.cfg.model.lora.r:
+        return Check(name, None, "no adapters (model.lora.r=0)")
+    base = (prepared if "ref_logprobs_BR" in prepared  # the LoRA reference is the model with adapters off
+            else sess.groups["policy"].call_split(PolicyWorker.reference_logprobs, batch))["ref_logprobs_BR"]
+    mask = batch["response_mask_BR"].bool()
+    trainer, engine = prepared["old_logprobs_BR"].float(), batch["rollout_logprobs_BR"].float()
+    trained = (trainer - base.float()).abs()[mask].mean().item()
+    moved = (engine - base.float()).abs()[mask].mean().item()
+    if trained < 1e-4:
+        return Check(name, None, f"the adapter is still (near) zero: it moves log-probs by {trained:.1e} per token")
+    return Check(name, moved >= 0.5 * trained, f"the adapter moves the trainer's log-probs by {trained:.2e} per "
+                 f"token and the engine's by {moved:.2e}",
+                 "the engine samples from the base model without the adapter (verl #7495): the push must merge "
+                 "the adapter into the weights it sends; sess.sync_weights() pushes again")
 
 
 # ---- the lr-0 step -------------------------------------------------------------------------------------

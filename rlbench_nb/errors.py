@@ -68,6 +68,17 @@ def free_bytes(where: Path) -> int:
     return 0
 
 
+def not_recorded(error: OSError, happened: str, fix: str) -> RunDirError:
+    """The workers' state changed (`happened`) and the run directory could not say so: the error the session
+    raises after marking itself `needs_resync`, with the write's own words and what to do once it can write."""
+    if isinstance(error, RunDirError):  # already in words
+        what = error.strerror
+    else:
+        what = write_failure(Path(error.filename), error) if error.filename else str(error)
+    return RunDirError(error.errno, f"{what}. {happened}, but the run directory does not record it: once it can be "
+                                    f"written, {fix}")
+
+
 def write_failure(path: Path, error: BaseException) -> str:
     """What went wrong writing `path`, in words a person acts on."""
     if disk_full(error, path.parent):

@@ -31,7 +31,7 @@ from .cluster.workers import Workers
 from .config import Config
 from .data.batch import Batch
 from .determinism import seed_process
-from .errors import RunDirError, UsageError
+from .errors import UsageError, not_recorded
 from .guard import SessionGuard, deferred_interrupts
 from .inputs import load_inputs
 from .metrics import compute, timeline
@@ -279,7 +279,7 @@ class Session:
         except BaseException:
             self.state = "needs_resync"
             raise
-        try:  # the critic's warm-up: the policy did not move, nothing to push
+        try:  # in the critic's warm-up the policy did not move: nothing to push
             m.update(phase_calls.push(self.workers, early, self.step_count + 1) if moved else {})
         except Exception:  # workers.push_failed: the next rollout pushes again first
             self._commit_step(batch, m)
@@ -295,10 +295,8 @@ class Session:
             self._record_step(batch, m)
         except OSError as e:
             self.state = "needs_resync"
-            what = e.strerror if isinstance(e, RunDirError) else str(e)  # already in words, or the raw error
-            raise RunDirError(e.errno, f"{what}. Step {step}'s update was applied but not recorded: once the run "
-                                       "directory can be written, sess.resync() returns every role to the latest "
-                                       "checkpoint") from e
+            raise not_recorded(e, f"Step {step}'s update was applied", "sess.resync() returns every role to the "
+                               "latest checkpoint") from e
         try:
             k = self.cfg.run.save_rollouts_every
             if k and self.step_count % k == 0:
@@ -444,13 +442,18 @@ class Session:
         """The closing steps of every way back (a checkpoint, a snapshot, a branch's end): the controller's
         state, the engine onto the trainers' weights, and on the main line controller_state.json, so a
         controller killed next re-attaches where the session now is. Not by a session taken over since: it
-        no longer writes the run."""
-        self.load_controller_state(state, metrics)
+        no longer writes the run. A write that fails leaves the session `needs_resync` (errors.not_recorded)."""
         try:
-            self.workers.sync(version=self.step_count)
-        finally:  # a failed push is caught up at the next one; the file follows the controller regardless
-            if self.current_branch is None and self.lease.holds():
-                self.rundir.write_state(self.controller_state())
+            self.load_controller_state(state, metrics)  # metric rows past the step move aside: a write
+            try:
+                self.workers.sync(version=self.step_count)
+            finally:  # a failed push is caught up at the next one; the file follows the controller regardless
+                if self.current_branch is None and self.lease.holds():
+                    self.rundir.write_state(self.controller_state())
+        except OSError as e:  # the workers are back already: refused until the files say so too
+            self.state = "needs_resync"
+            raise not_recorded(e, f"The workers returned to step {self.step_count}", "do the same again (restore, "
+                               "load or adopt), or sess.resync() for the latest checkpoint") from e
 
     # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:

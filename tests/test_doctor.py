@@ -224,3 +224,22 @@ def test_the_doctor_command_prints_its_checks_and_says_pass_or_fail_by_its_exit_
     assert not list(tmp_path.iterdir())  # its run directory was temporary
     done = subprocess.run([*run, "algo.target_kl=0.5"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 1 and "FAIL settings that do something: algo.target_kl" in done.stdout, done.stdout
+
+
+def test_an_adapter_the_engine_does_not_load_is_caught(tmp_path):
+    """verl #7495: the LoRA adapter trains, but the engine samples from the base model without it."""
+    cfg = rl.Config.load(str(REPO / "configs/arith_grpo_lora.yaml"),
+                         [f"run.dir={tmp_path / 'runs'}", *SMALL, "run.tensorboard=false"])
+    name = "the LoRA adapter reaches the engine"
+    with rl.Session(cfg) as lora:
+        engine = lora.groups["rollout"].workers[0].model
+        base = {k: v.clone() for k, v in engine.state_dict().items()}  # adapters start at zero: the base model
+        assert lora.doctor()[name].ok is None  # nothing to see yet
+        for _ in range(8):
+            lora.step()
+        report = lora.doctor()
+        assert report.ok and report[name].ok is True, str(report)
+        engine.load_state_dict(base)  # the push dropped the adapter
+        report = lora.doctor()
+    assert report[name].ok is False and "base model" in report[name].fix, str(report)
+    assert report["engine and trainer log-probs agree"].ok is False

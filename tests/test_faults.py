@@ -404,8 +404,8 @@ def test_a_full_disk_is_named_the_partial_save_removed_and_nothing_written_lost(
                         f.flush()
                 except OSError:
                     pass
-            with pytest.raises(rl.RLBenchError, match=r"no space left on its file system.*update was applied but "
-                                                      r"not recorded.*sess.resync\(\)"):
+            with pytest.raises(rl.RLBenchError, match=r"no space left on its file system.*update was applied, but "
+                                                      r"the run directory does not record it.*sess.resync\(\)"):
                 for _ in range(20):
                     sess.step()
             # the trainers moved, the step is not on disk: refused until resync, never `ready` with counts apart
@@ -424,8 +424,8 @@ def test_a_full_disk_is_named_the_partial_save_removed_and_nothing_written_lost(
             subprocess.run(["mount", "--bind", str(run), str(run)], check=True)
             try:
                 subprocess.run(["mount", "-o", "remount,ro,bind", str(run)], check=True)
-                with pytest.raises(rl.RLBenchError, match=r"Read-only file system.*update was applied but not "
-                                                          r"recorded"):
+                with pytest.raises(rl.RLBenchError, match=r"Read-only file system.*update was applied, but the run "
+                                                          r"directory does not record it"):
                     sess.step()
                 assert sess.state == "needs_resync" and policy.adam_steps() == 3
                 # a new session or load there is refused in words, not a raw OSError, and claims nothing
@@ -446,3 +446,44 @@ def test_a_full_disk_is_named_the_partial_save_removed_and_nothing_written_lost(
             assert again.step_count == 1  # "one" verifies and loads
     finally:
         subprocess.run(["umount", "-l", str(small)])
+
+
+def test_every_way_back_on_a_read_only_run_directory_says_so_and_is_refused_until_recorded(small_cfg, tmp_path):
+    """The run directory turns read-only mid-session (a remount, an NFS hiccup; here a read-only bind mount).
+    A snapshot to disk changes nothing and says why; a fork, a restore, an in-place load and an adopt bring the
+    workers back but cannot write controller_state.json (or move metric rows aside): each leaves the session
+    `needs_resync` with the cause and the fix, never `ready` at a step its files do not record. Writable again,
+    the same way back is recorded and the session steps on."""
+    run = tmp_path / "run"
+    with rl.Session(small_cfg("run.tensorboard=false"), run_dir=run) as sess:
+        sess.step()
+        sess.save("one")
+        snap = sess.snapshot()
+        sess.step()
+        branch = sess.fork("b", 1, progress=False)
+        if subprocess.run(["mount", "--bind", str(run), str(run)], capture_output=True).returncode != 0:
+            pytest.skip("needs a read-only bind mount: mounting requires root")
+        try:
+            subprocess.run(["mount", "-o", "remount,ro,bind", str(run)], check=True)
+            with pytest.raises(rl.RLBenchError, match=r"[Rr]ead-only"):
+                sess.snapshot(to_disk=True)
+            assert sess.state == "ready" and sess.step_count == 2  # nothing had changed
+            with pytest.raises(rl.RLBenchError, match=r"read-only.*returned to step 2, but the run directory does "
+                                                      r"not record it.*sess.resync\(\)"):
+                sess.fork("c", 1, progress=False)  # its folder cannot be made: straight back to the main line
+            assert sess.state == "needs_resync" and sess.metrics.history  # the main line's log is still open
+            for way_back, step in ((lambda: sess.restore(snap), 1), (lambda: sess.load("one"), 1),
+                                   (lambda: sess.adopt(branch), 3)):
+                with pytest.raises(rl.RLBenchError, match=rf"read-only.*returned to step {step}, but the run "
+                                                          r"directory does not record it.*do the same again"):
+                    way_back()
+                assert sess.state == "needs_resync" and sess.step_count == step
+                with pytest.raises(rl.SessionStateError, match=r"sess.resync\(\)"):
+                    sess.step()
+        finally:
+            subprocess.run(["umount", "-l", str(run)], check=True)
+        sess.restore(snap)  # the same way back, now recorded
+        assert sess.state == "ready" and sess.step_count == 1
+        assert json.loads((run / "controller_state.json").read_text())["step"] == 1
+        sess.step()
+        assert sess.step_count == 2 and sess.groups["policy"].workers[0].adam_steps() == 2
