@@ -26,10 +26,10 @@ Shape suffixes, one letter per axis, used the same way across the package (`algo
     source          rundir.load_rollouts                   the rollouts file a batch was read from
     step            Session.rollout                        the step that generated the batch
     metrics         each phase                             the step's metrics so far; update writes them out
-    values_epoch    Session.score                          the weights the critic's values came from (guard.epoch):
+    values_epoch    phase_calls.score                      the weights the critic's values came from (guard.epoch):
                                                            prepare reuses them only while they are the same
-    logprobs_epoch  Session.prepare                        the same for old log-probs left to the update's forward
-    kl_current      Session.prepare                        the measured KL the KL controller moves by, in update
+    logprobs_epoch  phase_calls.prepare                    the same for old log-probs left to the update's forward
+    kl_current      phase_calls.prepare                    the measured KL the KL controller moves by, in update
     off_policy      runner (async steps)                   generated one step or more earlier: the engine's log-probs
                                                            are the old ones
     wall_start      runner (async steps)                   when the step began, for time/step_s and idle shares
