@@ -111,6 +111,12 @@ class Branch:
         pts = [(r["step"], r[metric]) for r in rows if r.get(metric) is not None]
         return [s for s, _ in pts], [v for _, v in pts]
 
+    def weight_change(self) -> dict[str, float]:
+        """Each policy parameter's relative change since the branch started (inside its `with` block)."""
+        if self._start is None:
+            raise UsageError(f"branch '{self.name}' has ended: its start is no longer held")
+        return _weight_change(self._session, self._start.key)
+
     def release(self) -> None:
         """Free the end state this branch keeps for `adopt`."""
         if self.end is not None:
@@ -223,7 +229,7 @@ def replay(sess: Session, batch: Batch, overrides=(), name: str = "replay") -> R
     with branch(sess, name, overrides, keep=False) as b:
         scored = batch if "scores_B" in batch else sess.score(batch)
         row = {"step": sess.step_count + 1, **sess.update(sess.prepare(scored))}
-        change = _weight_change(sess, b._start.key)  # against the weights the branch started from
+        change = b.weight_change()  # against the weights the branch started from
     return Replay(b.name, b.overrides, row, change)
 
 

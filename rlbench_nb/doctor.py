@@ -254,7 +254,6 @@ def adapter_in_engine(sess: Session, batch, prepared) -> Check:
 
 # ---- the lr-0 step -------------------------------------------------------------------------------------
 def update_checks(sess: Session, row: dict, was_step_zero: bool, b) -> list[Check]:
-    from .branches import _weight_change
     dtype, engine = sess.cfg.model.dtype, sess.cfg.rollout.engine
     same = SAME_WEIGHTS_TOL.get(dtype, 2e-2)
     ratio = row.get("actor/log_ratio_abs")
@@ -271,7 +270,7 @@ def update_checks(sess: Session, row: dict, was_step_zero: bool, b) -> list[Chec
         out.append(Check("KL to the reference at step 0", kl is not None and abs(kl) <= same, f"kl/ref {kl:.2e}",
                          "the reference is not the starting policy: another model.path, dtype or adapters"))
     out.append(_engine_agreement(row, engine, dtype, sess.cfg.algo.mismatch_alarm or 0.05))
-    change = _weight_change(sess, b._start.key)
+    change = b.weight_change()
     moved = max(change.values(), default=0.0)
     out.append(Check("an update at lr 0 moves no weight", moved == 0.0, f"largest relative change {moved:.2e}",
                      "the optimizer changes weights without the learning rate (weight decay applied apart from "
