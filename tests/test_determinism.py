@@ -9,7 +9,6 @@ Same config and rank layout (2 FSDP2 policy ranks over gloo, 1 rollout rank), 50
 """
 import hashlib
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ from rlbench_nb.export import export
 from rlbench_nb.metrics import read_jsonl
 
 from .conftest import REPO
+from .ray_heads import RayHead, free_port
 
 pytest.importorskip("ray")
 RAY_CLI = os.path.join(os.path.dirname(sys.executable), "ray")
@@ -50,29 +50,18 @@ ATTACH_AND_FINISH = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def ray_head_with_jobs():
-    """A head with its dashboard (the job API) on loopback; token auth, as documented. Yields (gcs, dashboard)."""
-    gcs, dash = _free_port(), _free_port()
+    """A head with its dashboard (the job API) on loopback; token auth, as documented. Yields (gcs, dashboard).
+    Stopped alone (tests/ray_heads.py), not with `ray stop`, which stops every cluster on the machine."""
+    dash = free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    subprocess.run([RAY_CLI, "get-auth-token", "--generate"], check=True, capture_output=True, env=env)
-    subprocess.run([RAY_CLI, "start", "--head", f"--port={gcs}", "--num-cpus=4", "--include-dashboard=true",
-                    "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--disable-usage-stats"],
-                   check=True, capture_output=True, timeout=180, env=env)
-    try:
-        deadline = time.time() + 120  # the job API comes up a little after `ray start` returns
+    with RayHead(dashboard_port=dash) as head:
+        deadline = time.time() + 120  # the job API comes up a little after the head
         while subprocess.run([RAY_CLI, "job", "list", "--address", f"http://127.0.0.1:{dash}"], capture_output=True,
                              timeout=60, env=env).returncode != 0 and time.time() < deadline:
             time.sleep(2)
-        yield f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}"
-    finally:
-        subprocess.run([RAY_CLI, "stop", "--force"], capture_output=True, timeout=180)
+        yield head.address, f"http://127.0.0.1:{dash}"
 
 
 def _run_notebook(run_dir, overrides, extra_cell: str | None = None):
