@@ -4,7 +4,7 @@
     rlbench-nb train configs/arith_ppo.yaml algo.kl_coef=0.01 --steps 20
     rlbench-nb train --resume runs/arith-grpo                # continue from the run's latest checkpoint
     rlbench-nb train --help                                  # every config field, its default and meaning
-    rlbench-nb export notebooks/01_quickstart.ipynb -o train.py   # the notebook as a batch script
+    rlbench-nb export notebooks/01_quickstart.ipynb -o train.py   # the notebook as a batch script (or --format marimo)
     rlbench-nb report runs/arith-grpo -o report.html         # a run as one HTML file (curves, samples, config)
     rlbench-nb weights runs/arith-grpo -o my-model           # a checkpoint's policy as a from_pretrained folder
     rlbench-nb kernel install [--ray-address HOST:PORT]      # the Jupyter kernel, extension loaded
@@ -104,8 +104,9 @@ def export(argv: list[str]) -> int:
     p.add_argument("notebook")
     p.add_argument("-o", "--output", help="output file (default: the notebook's name with .py, in this folder)")
     p.add_argument("--force", action="store_true", help="replace an existing output that is not an earlier export")
-    p.add_argument("--format", default="script", choices=["script", "py:percent"],
-                   help="'script': runnable with flags; 'py:percent': jupytext round trip, tags kept")
+    p.add_argument("--format", default="script", choices=["script", "py:percent", "marimo"],
+                   help="'script': runnable with flags; 'py:percent': jupytext round trip, tags kept; 'marimo': a "
+                        "marimo notebook, also runnable with flags (python NB.py --steps 500)")
     args = p.parse_args(argv)
     from pathlib import Path
 

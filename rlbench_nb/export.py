@@ -28,128 +28,26 @@ from __future__ import annotations
 
 import ast
 import inspect
-import io
 import json
-import tokenize
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .errors import RLBenchError
+from .export_cells import (
+    Cell,
+    ExportError,
+    Parameter,
+    flag_line,
+    has_top_level_await,
+    indent,
+    parse_cell,
+    parse_parameters,
+    plan_cells,
+    read_cells,
+    strip_magics,
+)
 from .export_files import resolve_files
 from .export_helpers import HELPERS
-
-DROP_TAGS = {"interactive", "remove-cell", "remove_cell", "export-skip"}
-DROPPED_MAGICS = ("%load_ext", "%matplotlib", "%config")
-
-
-class ExportError(RLBenchError, ValueError):
-    """The notebook cannot become a script; the message names the cell (index and first line)."""
-
-
-@dataclass
-class Cell:
-    index: int
-    kind: str
-    source: str
-    tags: set[str]
-
-    @property
-    def first_line(self) -> str:
-        return next((line for line in self.source.splitlines() if line.strip()), "")[:60]
-
-    def where(self) -> str:
-        return f"cell {self.index} ({self.first_line!r})"
-
-
-@dataclass
-class Parameter:
-    name: str
-    default: object
-    source: str  # the assignment as written
-
-
-def read_cells(path: str | Path) -> list[Cell]:
-    """The notebook's cells; an older format (nbformat 3: worksheets, `input`) is upgraded by nbformat."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-        nb = json.loads(text)
-    except FileNotFoundError:
-        raise ExportError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ExportError(f"{path} is not a notebook: invalid JSON ({e})") from None
-    if isinstance(nb, dict) and nb.get("nbformat", 4) < 4 and isinstance(nb.get("worksheets"), list):
-        import nbformat
-        try:
-            nb = json.loads(nbformat.writes(nbformat.reads(text, as_version=4)))
-        except Exception as e:  # nbformat's own validation and conversion errors
-            version = nb.get("nbformat")
-            raise ExportError(f"{path}: nbformat cannot upgrade this version {version} notebook ({e})") from None
-    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list) or "nbformat" not in nb:
-        raise ExportError(f"{path} is not a notebook: no 'cells' list / 'nbformat' field")
-    cells = []
-    for i, c in enumerate(nb["cells"]):
-        src = c.get("source", "")
-        src = "".join(src) if isinstance(src, list) else src
-        cells.append(Cell(i, c.get("cell_type", "code"), src, set(c.get("metadata", {}).get("tags", []))))
-    return cells
-
-
-def _strip_magics(cell: Cell) -> str:
-    """Drop the few magics with a script meaning of 'nothing'; any other magic or shell line is an error."""
-    out = []
-    for n, line in enumerate(cell.source.splitlines(), start=1):
-        s = line.strip()
-        if s.startswith(DROPPED_MAGICS):
-            out.append("")  # keep line numbers stable
-            continue
-        if s.startswith(("%", "!")):
-            raise ExportError(f"{cell.where()}, line {n}: IPython syntax {s!r} has no plain-Python form; "
-                              "move it to a cell tagged 'interactive' or rewrite it in Python")
-        out.append(line)
-    return "\n".join(out)
-
-
-def _parse(cell: Cell, code: str) -> ast.Module:
-    try:  # top-level await is legal in a notebook cell
-        return compile(code, f"<cell {cell.index}>", "exec", flags=ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
-    except SyntaxError as e:
-        raise ExportError(f"{cell.where()}: syntax error on line {e.lineno}: {e.msg}") from None
-
-
-def _has_top_level_await(tree: ast.Module) -> bool:
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            continue
-        if isinstance(node, (ast.Await, ast.AsyncFor, ast.AsyncWith)):
-            return True
-    return False
-
-
-def parse_parameters(cell: Cell) -> list[Parameter]:
-    """The parameters cell's assignments, one per name (a name assigned twice keeps its last value, as the
-    notebook would); `help` is refused (it is the script's --help)."""
-    tree = _parse(cell, cell.source)
-    params: dict[str, Parameter] = {}
-    for node in tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
-            node.target if isinstance(node, ast.AnnAssign) else None
-        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
-        if not isinstance(target, ast.Name) or value is None:
-            line = ast.get_source_segment(cell.source, node) or ""
-            raise ExportError(f"{cell.where()}: the parameters cell may hold only simple assignments "
-                              f"(name = literal); found {line.splitlines()[0]!r}")
-        try:
-            default = ast.literal_eval(value)
-        except ValueError:
-            raise ExportError(f"{cell.where()}: parameter '{target.id}' must be a literal (number, string, "
-                              f"bool, None, list), got {ast.get_source_segment(cell.source, value)!r}") from None
-        if target.id == "help":
-            raise ExportError(f"{cell.where()}, line {node.lineno}: a parameter named 'help' would be the script's "
-                              "--help flag; rename it")
-        params.pop(target.id, None)  # the last assignment is the one the notebook runs with
-        params[target.id] = Parameter(target.id, default, ast.get_source_segment(cell.source, node))
-    return list(params.values())
+from .export_marimo import to_marimo
 
 
 def _check_cell(cell: Cell, tree: ast.Module) -> tuple[list[ast.stmt], set[str]]:
@@ -184,40 +82,12 @@ def _hoist(code: str, nodes: list[ast.stmt]) -> str:
     return "\n".join(out)
 
 
-def _indent(code: str, prefix: str = "    ") -> str:
-    """Indent code without touching the continuation lines of multi-line strings."""
-    inside: set[int] = set()
-    try:
-        for tok in tokenize.generate_tokens(io.StringIO(code).readline):
-            if tok.type == tokenize.STRING and tok.end[0] > tok.start[0]:
-                inside.update(range(tok.start[0] + 1, tok.end[0] + 1))
-    except tokenize.TokenError:
-        pass
-    return "\n".join(line if (n in inside or not line.strip()) else prefix + line
-                     for n, line in enumerate(code.splitlines(), start=1))
-
-
-def _plan(cells: list[Cell]) -> tuple[Cell | None, list[Cell], list[Cell]]:
-    code = [c for c in cells if c.kind == "code"]
-    params = [c for c in code if "parameters" in c.tags]
-    if len(params) > 1:
-        raise ExportError(f"two parameters cells: {params[0].where()} and {params[1].where()}; keep one")
-    kept = [c for c in code if not (c.tags & DROP_TAGS) and "parameters" not in c.tags and c.source.strip()]
-    dropped = [c for c in code if c.tags & DROP_TAGS]
-    return (params[0] if params else None), kept, dropped
-
-
-def _flag_type(value) -> str:
-    if value is None:
-        return "_optional"
-    return {bool: "_bool", int: "int", float: "float", str: "str"}.get(type(value), "json.loads")
-
 
 def to_script(path: str | Path) -> str:
     """The notebook at `path` as a runnable script (a string): a header saying where it came from, the
     imports, the helpers (export_helpers.py), the flags, and `main()` holding the kept cells in order."""
     path = Path(path)
-    pcell, kept, dropped = _plan(read_cells(path))
+    pcell, kept, dropped = plan_cells(read_cells(path))
     params, embedded = resolve_files(parse_parameters(pcell) if pcell else [], path.resolve().parent)
     cells = _main_cells(kept)
     names = [p.name for p in params]
@@ -225,7 +95,7 @@ def to_script(path: str | Path) -> str:
               else '"rl.Session.load(\'{run_dir}\') in Python"')
     stars = "".join(f"{line}  # from a cell: star imports live at module level\n" for line in cells.star_imports)
     helpers = "\n\n\n".join(inspect.getsource(f).rstrip() for f in HELPERS)
-    flags = "\n".join(_flag_line(p) for p in params) or "    pass"
+    flags = "\n".join(flag_line(p) for p in params) or "    pass"
     return f'''{_header(path, pcell, kept, dropped, embedded)}
 import argparse
 import asyncio
@@ -274,22 +144,15 @@ class MainCells:
 def _main_cells(kept: list[Cell]) -> MainCells:
     out = MainCells([], False, [], set())
     for cell in kept:
-        code = _strip_magics(cell)
-        tree = _parse(cell, code)
-        out.is_async |= _has_top_level_await(tree)
+        code = strip_magics(cell)
+        tree = parse_cell(cell, code)
+        out.is_async |= has_top_level_await(tree)
         hoisted, names = _check_cell(replace(cell, source=code), tree)
         out.star_imports += [ast.get_source_segment(code, n) for n in hoisted if isinstance(n, ast.ImportFrom)]
         out.global_names |= names
         out.bodies.append(f"# ---- cell {cell.index}\n{_hoist(code, hoisted)}")
     return out
 
-
-def _flag_line(p: Parameter) -> str:
-    if p.name == "overrides" and isinstance(p.default, list):
-        return (f"    parser.add_argument('overrides', nargs='*', default={p.default!r}, help='config "
-                "overrides key=value (default: %(default)s)')")
-    return (f"    parser.add_argument('--{p.name.replace('_', '-')}', dest={p.name!r}, "
-            f"type={_flag_type(p.default)}, default={p.default!r}, help='default: %(default)s')")
 
 
 def _header(path: Path, pcell: Cell | None, kept: list[Cell], dropped: list[Cell], embedded: dict) -> str:
@@ -308,7 +171,7 @@ def _main_function(cells: MainCells, params: list[Parameter], embedded: dict) ->
              + "    _cli = _parse_args(_argv)\n"
              + "".join(f"    {p.name} = _embedded(_cli.{p.name})\n" if isinstance(p.default, str)
                        and p.default in embedded else f"    {p.name} = _cli.{p.name}\n" for p in params))
-    body = _indent("\n\n".join(cells.bodies) or "pass")
+    body = indent("\n\n".join(cells.bodies) or "pass")
     if cells.is_async:
         return (f"async def _main_async(_argv=None):\n{setup}\n{body}\n\n\n"
                 "def main(_argv=None):\n    asyncio.run(_main_async(_argv))\n")
@@ -332,17 +195,19 @@ def to_percent(path: str | Path) -> str:
 
 
 def export(path: str | Path, output: str | Path, fmt: str = "script", force: bool = False) -> Path:
-    """Write the script (`fmt='script'`) or the py:percent twin (`fmt='py:percent'`) to `output`. Never over
-    the notebook itself, nor over a file that is not an earlier export of it unless `force`."""
-    if fmt not in ("script", "py:percent"):
-        raise ExportError(f"unknown format {fmt!r}; use 'script' or 'py:percent'")
+    """Write the script (`fmt='script'`), the py:percent twin (`'py:percent'`) or a marimo notebook (`'marimo'`,
+    export_marimo.py) to `output`. Never over the notebook itself, nor over a file that is not an earlier export
+    of it unless `force`."""
+    writers = {"script": to_script, "py:percent": to_percent, "marimo": to_marimo}
+    if fmt not in writers:
+        raise ExportError(f"unknown format {fmt!r}; use one of {', '.join(writers)}")
     output = Path(output)
     if output.suffix == ".ipynb" or (output.exists() and Path(path).exists() and output.samefile(path)):
         raise ExportError(f"-o {output} would overwrite a notebook: name a .py file")
     if output.exists() and not force and not _earlier_export(output, Path(path)):
         raise ExportError(f"{output} exists and is not an export of {Path(path).name}: choose another -o, or "
                           "--force to replace it")
-    text = to_script(path) if fmt == "script" else to_percent(path)
+    text = writers[fmt](path)
     output.write_text(text, encoding="utf-8")
     return output
 
@@ -355,5 +220,5 @@ def _earlier_export(output: Path, notebook: Path) -> bool:
             head = f.readline() + f.readline()
     except (OSError, UnicodeDecodeError):
         return False
-    return (head.startswith('"""Exported from ') and f"{notebook.name} by `rlbench-nb export`" in head.splitlines()[0]
+    return (head.startswith('"""Exported from ') and f"{notebook.name} by `rlbench-nb export" in head.splitlines()[0]
             or head.startswith("# ---\n# jupyter:"))

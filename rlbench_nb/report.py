@@ -81,10 +81,14 @@ def write_report(path: str | Path, run_dir: str | Path, *, history: list[dict], 
         body.append(_summary_html(summary))
     for s in SECTIONS:
         traces = section_traces(s, history, evals, smoothing)
-        body += [f"<h2>{TITLE[s]}</h2>", pio.to_html(section_figure(s, traces), **plot)]
+        figure = pio.to_html(section_figure(s, traces), **plot)
+        body += [f"<h2>{TITLE[s]}</h2>", f"<div class='rl-curves'>{figure}</div>"]
     if timeline is not None and timeline.data:
         body += ["<h2>Phase timeline</h2>", pio.to_html(timeline, **plot)]
-    body.append(_samples_html(samples(run_dir)))
+    rows = samples(run_dir)
+    body.append(_samples_html(rows))
+    if rows:  # a click on any curve jumps to the samples of the nearest step shown
+        body.append(f"<script>{_CLICK_TO_SAMPLES % json.dumps(sorted({r[0] for r in rows}))}</script>")
     body.append(f"<h2>Config</h2><details><summary>config.yaml</summary><pre>{html.escape(config_yaml)}</pre></details>")
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>rlbench-nb · {html.escape(run_dir.name)}</title>"
             f"<style>{_CSS}</style><script type='text/javascript'>{get_plotlyjs()}</script></head>"
@@ -128,9 +132,28 @@ def _samples_html(rows: list[list]) -> str:
             return f"{v:.3g}"
         return html.escape("" if v is None else str(v))
     head = "".join(f"<th>{c}</th>" for c in SAMPLE_COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in r) + "</tr>" for r in rows)
+    steps = sorted({r[0] for r in rows})
+    first = {}  # each step's first row carries its anchor (#samples-step-N): the links and the curves lead there
+    for i, r in enumerate(rows):
+        first.setdefault(r[0], i)
+    body = "".join((f"<tr id='samples-step-{r[0]}'>" if first[r[0]] == i else "<tr>")
+                   + "".join(f"<td>{cell(v)}</td>" for v in r) + "</tr>" for i, r in enumerate(rows))
+    links = " · ".join(f"<a href='#samples-step-{s}'>{s}</a>" for s in steps)
     return (f"<h2>Rollout samples</h2><p class='meta'>{SAMPLES_PER_STEP} per saved step, spread over its groups, "
-            f"from rollouts/</p><table class='samples'><tr>{head}</tr>{body}</table>")
+            f"from rollouts/. Steps: {links} (or click a step on any curve above)</p>"
+            f"<table class='samples'><tr>{head}</tr>{body}</table>")
+
+
+# plotly.js's click event on every figure: scroll to the nearest step whose samples the page holds, and mark it
+_CLICK_TO_SAMPLES = """(steps => document.querySelectorAll('.rl-curves .js-plotly-plot').forEach(
+ gd => gd.on('plotly_click', e => {
+  const x = e.points[0].x;
+  const step = steps.reduce((a, b) => Math.abs(b - x) < Math.abs(a - x) ? b : a);
+  const row = document.getElementById('samples-step-' + step);
+  document.querySelectorAll('tr.picked').forEach(r => r.classList.remove('picked'));
+  row.classList.add('picked');
+  row.scrollIntoView({block: 'center'});
+})))(%s);"""
 
 
 _CSS = """body{font-family:-apple-system,BlinkMacSystemFont,'Segoe UI',sans-serif;margin:24px 32px;color:#24292f}
@@ -138,4 +161,4 @@ h1{font-size:22px;margin:0}h2{font-size:16px;margin:28px 0 4px;border-bottom:1px
 .meta{color:#57606a;font-size:12px}table{border-collapse:collapse;font-size:13px}
 th,td{border-bottom:1px solid #eaeef2;padding:4px 10px;text-align:left;vertical-align:top}
 table.samples td{white-space:pre-wrap;font-family:ui-monospace,monospace;max-width:520px}
-pre{background:#f6f8fa;padding:10px;font-size:12px}"""
+pre{background:#f6f8fa;padding:10px;font-size:12px}tr.picked td{background:#fff8c5}"""

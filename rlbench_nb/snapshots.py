@@ -66,14 +66,7 @@ class Snapshot:
         sess.workers.held_snapshots.discard(self.key)
         if sess.state == "closed":
             return
-        for role in HOLDERS:
-            if role in sess.groups:
-                try:
-                    sess.groups[role].call(SnapshotHolder.release, self.key)
-                except Exception:  # a dead worker held nothing any more
-                    pass
-        if self.path is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
+        _let_go(sess, self.key, self.path)
 
     def __repr__(self) -> str:
         where = f"on disk in {self.path}" if self.path else "in memory"
@@ -90,15 +83,31 @@ def take(sess: Session, to_disk: bool = False) -> Snapshot:
     key = f"snap-{uuid.uuid4().hex[:8]}"
     path = sess.run_dir / "snapshots" / key if to_disk else None
     size = 0
-    for role in HOLDERS:
-        if role in sess.groups:
-            size += sum(sess.groups[role].call(SnapshotHolder.hold, key, None if path is None else str(path)))
+    try:
+        for role in HOLDERS:
+            if role in sess.groups:
+                size += sum(sess.groups[role].call(SnapshotHolder.hold, key, None if path is None else str(path)))
+    except BaseException:  # a full disk, a read-only folder, no memory: the ranks that did hold their part let go
+        _let_go(sess, key, path)
+        raise
     snap = Snapshot(key=key, controller=sess.controller_state(),
                     rollout_states=sess.groups["rollout"].call(RolloutWorker.get_state), cfg=sess.cfg,
                     reward_fn=sess.reward_fn, holders={r: _pids(sess, r) for r in HOLDERS if r in sess.groups},
                     bytes=size, path=path, _session=sess)
     sess.workers.held_snapshots.add(key)
     return snap
+
+
+def _let_go(sess: Session, key: str, path: Path | None) -> None:
+    """What the ranks hold for `key` (memory, or files under `path`), freed; a dead worker held nothing."""
+    for role in HOLDERS:
+        if role in sess.groups:
+            try:
+                sess.groups[role].call(SnapshotHolder.release, key)
+            except Exception:
+                pass
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def restore(sess: Session, snap: Snapshot, history: bool = True) -> None:

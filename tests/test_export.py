@@ -1,4 +1,5 @@
 """Notebook -> script export: tags, flags, magics, await, round trip, bad input, and run parity."""
+import importlib.util
 import json
 import py_compile
 import subprocess
@@ -117,8 +118,10 @@ def _training_rows(path):
     return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in read_jsonl(path) if "reward/mean" in r]
 
 
+@pytest.mark.integration  # a real kernel: the second stage (pyproject.toml's markers)
 def test_notebook_and_exported_script_give_the_same_run(tmp_path):
-    """nbclient runs the quickstart in a real kernel; its exported script runs with the same parameters."""
+    """nbclient runs the quickstart in a real kernel; its exported script and its marimo twin run with the same
+    parameters: the same rows, three ways."""
     from nbclient import NotebookClient
     overrides = [*SMALL, "run.tensorboard=false"]
     nb = nbformat.read(str(REPO / "notebooks/01_quickstart.ipynb"), as_version=4)
@@ -137,6 +140,12 @@ def test_notebook_and_exported_script_give_the_same_run(tmp_path):
     a, b = _training_rows(tmp_path / "nb" / "metrics.jsonl"), _training_rows(tmp_path / "script" / "metrics.jsonl")
     assert [r["step"] for r in a] == [1, 2]  # one step by hand, then run() until step `steps`
     assert a == b
+    if importlib.util.find_spec("marimo"):  # the marimo twin runs as a script too (in the test extra)
+        twin = export(REPO / "notebooks/01_quickstart.ipynb", elsewhere / "twin.py", "marimo")
+        out = subprocess.run([sys.executable, str(twin), "--steps", "2", "--run-dir", str(tmp_path / "marimo"),
+                              *overrides], cwd=elsewhere, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert _training_rows(tmp_path / "marimo" / "metrics.jsonl") == a
 
 
 def test_what_a_notebook_means_the_script_means_too(tmp_path):

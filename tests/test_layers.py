@@ -199,3 +199,35 @@ def test_no_new_function_over_60_lines_and_no_new_module_over_400():
                     long_functions.append(f"{rel}:{node.lineno} {node.name}: {lines} lines")
     assert not long_functions, long_functions
     assert not long_modules, long_modules
+
+
+# What starts a stack of its own (pyproject.toml's `integration` marker): a test that does is in the second stage
+# (or the slow one), so the default run stays in this process and its subprocesses (the façade issue: ≤ 10 min).
+STACK_STARTERS = re.compile(r'importorskip\("(ray|vllm)"\)|\bRayHead\(|\bNotebookClient\b|\bplaywright\b|'
+                            r'\bray\.init\(|\bexecute\(|\breal_assets\b|\bray_cluster\b|\bray_head\b|"cluster\.backend=ray"')
+
+
+def _marks(node) -> str:
+    return " ".join(ast.unparse(d) for d in getattr(node, "decorator_list", []))
+
+
+def test_what_starts_a_stack_of_its_own_is_out_of_the_default_run():
+    """A test module's tests that start Ray, a kernel, a browser, vLLM or the real model carry `integration` or
+    `slow`, on themselves or as the module's `pytestmark`; a new one that forgets would cost the default run
+    tens of seconds unseen. Read in the source, with the module's own lines counted for each of its tests."""
+    unmarked = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        module_marks = " ".join(ast.unparse(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                                and any(getattr(t, "id", "") == "pytestmark" for t in n.targets))
+        tests = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
+        module_lines = "\n".join(ast.unparse(n) for n in tree.body if n not in tests)
+        starts_in_module = bool(STACK_STARTERS.search(module_lines))
+        for test in tests:
+            if not (starts_in_module or STACK_STARTERS.search(ast.unparse(test))):
+                continue
+            if not re.search(r"mark\.(integration|slow)\b", module_marks + " " + _marks(test) + " "
+                             + " ".join(ast.unparse(p) for p in ast.walk(test) if isinstance(p, ast.Call)
+                                        and "param" in ast.unparse(p.func))):
+                unmarked.append(f"{path.relative_to(REPO)}::{test.name}")
+    assert not unmarked, f"these start a stack of their own: mark them pytest.mark.integration: {unmarked}"

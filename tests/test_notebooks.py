@@ -8,6 +8,8 @@ from nbclient import NotebookClient
 
 from .conftest import REPO, SMALL
 
+pytestmark = pytest.mark.integration  # the second stage: see pyproject.toml's markers
+
 
 def execute(name: str, params: str) -> str:
     """Run notebooks/<name> with `params` injected after its parameters cell (as papermill does)."""

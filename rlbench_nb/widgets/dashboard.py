@@ -23,6 +23,7 @@ from .figures import (
     section_traces,
     timeline_figure,
 )
+from .step_samples import caption_html, nearest_saved
 
 __all__ = ["Dashboard", "decimate"]
 
@@ -69,7 +70,15 @@ class Dashboard:
                         layout={"justify_content": "space-between", "align_items": "flex-end", "width": "100%"})]
         for s, fig in self.figures.items():
             parts += [W.HTML(title.format(TITLE[s])), fig]
-        self.widget = W.VBox(parts + [self.timeline], layout={"width": "100%"})
+        for fig in self.figures.values():
+            self._clickable(fig)
+        self.samples = W.VBox([W.HTML("<span style='color:#57606a'>Click a step on any curve: its saved samples "
+                                      "open here.</span>")])
+        self.samples.add_class("rl-samples")
+        self._opened: tuple | None = None
+        self._inspector = None
+        self.widget = W.VBox(parts + [self.timeline, W.HTML(title.format("Samples")), self.samples],
+                             layout={"width": "100%"})
         self.widget.add_class("rl-dashboard")  # where _FIT_WIDTH looks
         self._unsubscribe = session.on_step(self._on_step)
         self.refresh(force=True)
@@ -117,6 +126,7 @@ class Dashboard:
                     fig.data = []
                     fig.add_traces(list(new.data))
                     fig.layout = new.layout
+                self._clickable(fig)  # new traces: the click handlers go with them
                 self._layouts[section], self._fit = key, True
                 # a layout replaced in plotly.js keeps the width it had as a fixed one; set and cleared, the
                 # width is free again, and the next resize (_FIT_WIDTH) fits it to the cell
@@ -129,6 +139,35 @@ class Dashboard:
             self.timeline.add_traces(list(new.data))
             self.timeline.layout.height = new.layout.height
         self.header.value = self._header_html()
+
+    # ---- from a curve to its samples -------------------------------------------------------------
+    def _clickable(self, fig) -> None:
+        for trace in fig.data:
+            trace.on_click(self._clicked)
+
+    def _clicked(self, trace, points, _state) -> None:
+        key = str(trace.meta or "")  # the metric (figures.section_figure)
+        if points.xs and not key.startswith("branch:"):  # a branch's samples are in its own folder
+            self.open_step(points.xs[0], "eval" if key.startswith("eval/") else "train")
+
+    def open_step(self, step: float, kind: str = "train"):
+        """What clicking a curve does: the rollouts saved nearest `step` open in the inspector under the
+        dashboard, with a caption naming the step shown. kind 'train' (rollouts/step_N.jsonl) or 'eval'
+        (rollouts/eval_step_N.jsonl, every evaluation's greedy responses). Returns the Inspector, or None
+        when nothing is saved yet (the caption says which setting saves it)."""
+        import ipywidgets as W
+
+        from .inspector import Inspector
+        s = self.session
+        found = nearest_saved(s.run_dir, step, kind)
+        opened = (kind, found[0] if found else None)
+        if opened == self._opened and found:  # plotly calls each trace of the clicked panel: open it once
+            return self._inspector
+        inspector = Inspector(found[1], tokenizer=s.tokenizer) if found else None
+        caption = W.HTML(caption_html(step, kind, found, s.cfg.run.save_rollouts_every))
+        self.samples.children = [caption] + ([inspector.widget] if inspector else [])
+        self._opened, self._inspector = opened, inspector
+        return inspector
 
     def overlay(self, *runs) -> Dashboard:
         """Draw branches' curves (sess.fork / sess.branch) and replays dashed over the main line's, in the

@@ -172,6 +172,7 @@ def section_figure(section: str, traces: list[dict]):
     legends: dict[int, str] = {}
     for t in traces:
         t = dict(t)
+        t["meta"] = t["uid"]  # a FigureWidget gives its traces uids of its own: the key travels in `meta`
         p = place[t.pop("panel")]
         r, c = divmod(p, COLS)
         if t.get("showlegend"):

@@ -1,7 +1,9 @@
 """The Ray backend on a real embedded cluster: FSDP2 ranks, weight sync, clear errors, dead workers."""
 import importlib.util
+import json
 import os
 import signal
+import subprocess
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from rlbench_nb.roles.rollout.base import RolloutWorker
 from ..conftest import REPO, assert_rollout_holds_policy_weights
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.integration  # the second stage: see pyproject.toml's markers
 
 RAY = ["cluster.backend=ray", "run.tensorboard=false", "cluster.num_threads=1"]
 
@@ -369,7 +372,8 @@ def _loss_in_the_policy_workers(logprobs_BR, old_logprobs_BR, advantages_BR, mas
 def test_snapshots_branches_and_shipped_losses_with_two_fsdp_ranks(ray_cluster, small_cfg):
     """Under Ray with 2 FSDP2 ranks (each rank holds its own shards of the snapshot): stepping after a
     restore is bit-identical, and a fork with a custom loss shipped to the actors leaves the main line as it
-    was."""
+    was. Then issue 37 under Ray (`_read_only_run_directory`): the same session's run directory turns
+    read-only."""
     sess = rl.Session(small_cfg(*RAY, "cluster.train_ranks=2"))
     sess.step()
     snap = sess.snapshot()
@@ -389,7 +393,48 @@ def test_snapshots_branches_and_shipped_losses_with_two_fsdp_ranks(ray_cluster, 
     assert all(torch.equal(after[k], v) for k, v in sess.groups["policy"].call("get_weights")[0].items())
     assert sess.step_count == 3 and sess.cfg.algo.policy_loss == "ppo"
     assert_rollout_holds_policy_weights(sess)
+    _read_only_run_directory(sess)
     sess.close()
+
+
+def _read_only_run_directory(sess):
+    """Issue 37 under the Ray backend (tests/test_faults.py has it in-process), on a live session at step 3: the
+    run directory turns read-only mid-run (a read-only bind mount, as a remount or an NFS hiccup does). A step
+    whose update was applied but not recorded, and a restore that returned the actors but could not write
+    controller_state.json, each leave the session `needs_resync` naming the cause; writable again, `resync()`
+    brings both ranks' optimizer steps, `step_count` and the metric rows back into agreement. (Here, not in a
+    test of its own: a Ray session with two ranks costs ~40 s to start on 2 cores.)"""
+    run = sess.run_dir
+
+    def adam():  # each rank's optimizer steps, from the actors themselves
+        return sess.groups["policy"].call(PolicyWorker.adam_steps)
+
+    def rows():
+        return [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "reward/mean" in r]
+    sess.save("three")
+    snap = sess.snapshot()
+    assert adam() == [3, 3] and rows() == [1, 2, 3]
+    if subprocess.run(["mount", "--bind", str(run), str(run)], capture_output=True).returncode != 0:
+        return  # mounting requires root: the in-process test says the same on its skip
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(run)], check=True)
+        with pytest.raises(rl.RLBenchError, match=r"Read-only file system.*update was applied, but the run "
+                                                  r"directory does not record it"):
+            sess.step()
+        assert sess.state == "needs_resync" and adam() == [4, 4] and sess.step_count == 3
+        with pytest.raises(rl.RLBenchError, match=r"read-only.*returned to step 3, but the run directory does not "
+                                                  r"record it.*do the same again"):
+            sess.restore(snap)
+        assert sess.state == "needs_resync" and adam() == [3, 3]
+        with pytest.raises(rl.SessionStateError, match=r"sess.resync\(\)"):
+            sess.step()
+    finally:
+        subprocess.run(["umount", "-l", str(run)], check=True)
+    sess.resync()  # back to checkpoint "three"
+    assert sess.state == "ready" and adam() == [3, 3] and sess.step_count == 3 and rows() == [1, 2, 3]
+    sess.step()
+    assert adam() == [4, 4] and sess.step_count == 4 and rows() == [1, 2, 3, 4]
+    assert json.loads((run / "controller_state.json").read_text())["step"] == 4
 
 
 @pytest.mark.slow  # ~40 s: a second model role under Ray; the default run keeps the in-process RM tests
@@ -556,3 +601,4 @@ def test_a_session_loads_its_task_while_ray_starts_and_its_own_error_comes_first
     monkeypatch.setattr(ray, "is_initialized", lambda: True)  # connected: no start, no helper thread
     cluster.while_connecting(cfg, load)
     assert threads["load"] is threading.main_thread()
+

@@ -17,6 +17,7 @@ from ..ray_heads import RayHead
 from ..test_notebooks import execute
 
 pytest.importorskip("ray")
+pytestmark = pytest.mark.integration  # the second stage: see pyproject.toml's markers
 
 
 def ray_processes() -> list[str]:

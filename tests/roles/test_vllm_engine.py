@@ -11,6 +11,7 @@ import rlbench_nb as rl
 from rlbench_nb.roles import HFRolloutWorker
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.integration  # the second stage: see pyproject.toml's markers
 
 VLLM = ["rollout.engine=vllm", "run.tensorboard=false"]
 

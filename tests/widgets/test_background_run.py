@@ -1,9 +1,12 @@
 """A background run in a real kernel (nbclient): the kernel stays free, the dashboard keeps updating
 while another cell executes, and pause / resume / stop act at step boundaries."""
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 from ..conftest import REPO, SMALL
+
+pytestmark = pytest.mark.integration  # the second stage: see pyproject.toml's markers
 
 
 def test_background_run_in_a_kernel(tmp_path):

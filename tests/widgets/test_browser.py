@@ -18,6 +18,8 @@ import pytest
 
 from ..conftest import REPO, SMALL
 
+pytestmark = pytest.mark.integration  # the second stage: see pyproject.toml's markers
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SHOTS = REPO / "artifacts" / "screenshots"
 
@@ -64,13 +66,16 @@ def lab(tmp_path):
 
 
 def _run_all_cells(lab, name: str, params: str, measures: dict[str, str], shot: str, report=None,
-                   settled: str | None = None) -> dict:
+                   settled: str | None = None, click=None) -> dict:
     """Open notebooks/<name> in JupyterLab with `params` after its parameters cell, run every cell, and
     evaluate each of `measures` (JavaScript expressions) on the page; a full-page screenshot to `shot`.
     `report`: an HTML file the notebook wrote, then opened from disk in a new page and measured.
     `settled`: a JavaScript predicate waited for (at most 60 s) before measuring: the widgets' last redraw
     may still be in flight when the last cell's prompt gets its number (a figure whose layout changed is
-    cleared and drawn anew; measured in between, its legends are missing: CI saw that once)."""
+    cleared and drawn anew; measured in between, its legends are missing: CI saw that once).
+    `click`: {"metric", "step", "dashboard", "report"}: the mouse clicks that metric's point at that step in the
+    dashboard and, on the report page, in its curves; the "dashboard" / "report" JavaScript predicates are waited
+    for and their values kept as out["clicked"] / out["report"]["clicked"]."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
     base, token, root = lab
@@ -100,6 +105,8 @@ def _run_all_cells(lab, name: str, params: str, measures: dict[str, str], shot: 
             except PlaywrightTimeout:  # measured as it is: the asserts below say what is missing
                 pass
         out = {k: page.evaluate(js) for k, js in measures.items()}
+        if click:
+            out["clicked"] = _click_curve(page, ".rl-dashboard", click["metric"], click["step"], click["dashboard"])
         out["errors"] = [e for e in errors if "plotly" in e.lower() or "widget" in e.lower()]
         page.screenshot(path=str(SHOTS / shot), full_page=True)
         if name == "01_quickstart.ipynb":
@@ -114,10 +121,41 @@ def _run_all_cells(lab, name: str, params: str, measures: dict[str, str], shot: 
             view.wait_for_selector(".js-plotly-plot .main-svg", timeout=60_000)
             out["report"] = {"points": view.evaluate(POINTS), "header": view.evaluate(HEADER),
                              "samples": view.evaluate("() => document.querySelectorAll('table.samples tr').length")}
+            if click:
+                out["report"]["clicked"] = _click_curve(view, ".rl-curves", click["metric"], click["step"],
+                                                        click["report"])
             view.screenshot(path=str(SHOTS / "report.png"), full_page=True)
             out["errors"] = [e for e in errors if "plotly" in e.lower() or "widget" in e.lower()]
         browser.close()
     return out
+
+
+# the page coordinates of a metric's point (a trace's `meta` is its metric) at a step, scrolled into view
+POINT_AT = """([scope, metric, step]) => {
+  const gd = [...document.querySelectorAll(scope + ' .js-plotly-plot')].find(
+    g => (g.data || []).some(t => t.meta === metric));
+  gd.scrollIntoView({block: 'center'});
+  const t = gd.data.find(t => t.meta === metric);
+  const fl = gd._fullLayout;
+  const xa = fl[(t.xaxis || 'x').replace('x', 'xaxis')], ya = fl[(t.yaxis || 'y').replace('y', 'yaxis')];
+  const r = gd.getBoundingClientRect();
+  return [r.left + xa._offset + xa.l2p(step), r.top + ya._offset + ya.l2p(t.y[[...t.x].indexOf(step)])];
+}"""
+
+
+def _click_curve(page, scope: str, metric: str, step: int, predicate: str):
+    """Click with the mouse, as a user does (hover first: plotly clicks what it hovers), then wait for
+    `predicate` (JavaScript, at most 60 s) and return its value; None if it never held."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    x, y = page.evaluate(POINT_AT, [scope, metric, step])
+    page.mouse.move(x - 3, y)
+    page.mouse.move(x, y)
+    page.wait_for_timeout(300)
+    page.mouse.click(x, y)
+    try:
+        return page.wait_for_function(predicate, timeout=60_000).json_value()
+    except PlaywrightTimeout:
+        return None
 
 
 POINTS = """() => [...document.querySelectorAll('.js-plotly-plot')]
@@ -150,7 +188,14 @@ def test_quickstart_in_jupyterlab_renders_dashboard_and_inspector(lab, tmp_path)
                           "traces": "() => document.querySelectorAll('.js-plotly-plot .scatterlayer .trace').length"},
                          "quickstart_full.png", report=tmp_path / "run" / "report.html",
                          settled=f"() => (names => {sorted(QUICKSTART_LEGEND)!r}.every(n => names.includes(n)))"
-                                 f"(({LEGENDS})('.jupyter-widgets .js-plotly-plot'))")
+                                 f"(({LEGENDS})('.jupyter-widgets .js-plotly-plot'))",
+                         # the reward curve's point at step 2: its samples open under the dashboard (the
+                         # caption and the inspector's rows); on the report, the page scrolls to step 2's samples
+                         click={"metric": "reward/mean", "step": 2,
+                                "dashboard": """() => { const s = document.querySelector('.rl-samples');
+                                    return s && /of step 2/.test(s.innerText)
+                                           && [s.innerText, s.querySelectorAll('table.rl-inspector tr').length]; }""",
+                                "report": "() => (document.querySelector('tr.picked') || {}).id"})
     assert got["points"] and max(got["points"]) > 0, f"no data points in the plotly figures: {got['points']}"
     assert got["traces"] > 0
     # the header: the session was closed by the last cell, at step 4 of the run's 4
@@ -160,9 +205,13 @@ def test_quickstart_in_jupyterlab_renders_dashboard_and_inspector(lab, tmp_path)
     assert got["xtitles"].count("step") >= 12, got["xtitles"]  # every panel of the three sections
     assert min(got["widths"]) > 0.9, f"figures do not fill the cell's width: {got['widths']}"
     assert got["rows"] > 1, "the inspector table has no rows"
+    assert got["clicked"], "clicking the reward curve at step 2 opened no samples under the dashboard"
+    caption, rows = got["clicked"]
+    assert "Rollouts of step 2" in caption and "rollouts/step_000002.jsonl" in caption and rows == 33, got["clicked"]
     report = got["report"]  # opened from the file alone
     assert len(report["points"]) == 4 and min(report["points"]) > 0, report  # three sections + the timeline
     assert "4 / 4" in report["header"] and report["samples"] > 1, report
+    assert report["clicked"] == "samples-step-2", report  # a click on its curve scrolled to step 2's samples
     assert not got["errors"], got["errors"]
 
 

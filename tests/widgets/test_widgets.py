@@ -116,6 +116,46 @@ def test_dashboard_draws_sections_with_legends_and_step_axes(small_cfg):
     assert outcome.layout.xaxis.dtick is None and {t.mode for t in outcome.data if t.name == "mean"} == {"lines"}
 
 
+def _click(fig, metric, step):
+    """What plotly.js sends when the point of `metric`'s trace at `step` is clicked, through the FigureWidget's own
+    dispatch (the browser test clicks with the mouse)."""
+    from plotly.callbacks import InputDeviceState, Points
+    i = next(k for k, t in enumerate(fig.data) if t.meta == metric)
+    trace = fig.data[i]
+    at = list(trace.x).index(step)
+    state = InputDeviceState(ctrl=False, alt=False, shift=False, meta=False, button=0, buttons=1)
+    trace._dispatch_on_click(Points(point_inds=[at], xs=[step], ys=[trace.y[at]], trace_name=trace.name,
+                                    trace_index=i), state)
+
+
+def test_a_click_on_a_curve_opens_the_nearest_saved_steps_samples(small_cfg):
+    """Training curves open rollouts/step_N.jsonl, held-out ones rollouts/eval_step_N.jsonl; a step that was
+    not saved opens the nearest saved one and says so; nothing saved says which setting saves it. The
+    handlers survive a redraw that replaces the traces."""
+    sess = rl.Session(small_cfg("run.tensorboard=false", "run.save_rollouts_every=2"))
+    dash = sess.dashboard()
+    assert dash.open_step(1) is None and "run.save_rollouts_every" in dash.samples.children[0].value
+    sess.evaluate()
+    for _ in range(4):
+        sess.step()
+    sess.evaluate()
+    dash.refresh(force=True)  # new lines appeared since the first draw: traces replaced, handlers re-attached
+    outcome = dash.figures["outcome"]
+    _click(outcome, "reward/mean", 3)  # saved at 2 and 4: 3 is as near to both, the earlier is shown
+    caption = dash.samples.children[0].value
+    assert "of step 2</b>, the nearest saved to step 3 (saved every 2 steps)" in caption, caption
+    shown = dash._inspector
+    saved = (sess.run_dir / "rollouts" / "step_000002.jsonl").read_text().splitlines()
+    assert len(shown.rows) == len(saved) == 32 and shown.rows[0]["prompt"] == json.loads(saved[0])["prompt"]
+    assert dash.samples.children[1] is shown.widget  # the inspector itself, under the caption
+    _click(outcome, "reward/mean", 4)
+    assert "Rollouts of step 4</b> · rollouts/step_000004.jsonl" in dash.samples.children[0].value
+    _click(outcome, "eval/accuracy", 4)  # the held-out curve: that evaluation's greedy responses
+    assert "Held-out responses of step 4</b> · rollouts/eval_step_000004.jsonl" in dash.samples.children[0].value
+    assert len(dash._inspector.rows) == 40  # task.num_test
+    sess.close()
+
+
 def test_report_from_a_live_session_and_from_the_run_directory(small_cfg, tmp_path):
     sess = rl.Session(small_cfg("run.tensorboard=false"))
     summary = sess.run(steps=3, progress=False)
@@ -131,6 +171,9 @@ def test_report_from_a_live_session_and_from_the_run_directory(small_cfg, tmp_pa
     assert "held-out accuracy" in page and f"{summary['accuracy_after']:.3f}" in page
     first = json.loads((sess.run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()[0])
     assert first["prompt"] in page and "kl_coef" in page  # a rollout sample and the config
+    # each step's samples have an anchor, linked from the heading, and the curves' clicks lead there
+    assert all(f"<tr id='samples-step-{s}'>" in page and f"href='#samples-step-{s}'" in page for s in (1, 2, 3))
+    assert "plotly_click" in page and page.count("class='rl-curves'") == 3
     assert cli(["report", str(sess.run_dir)]) == 0  # from the files alone, by default into the run directory
     offline = (sess.run_dir / "report.html").read_text()
     assert ">unfinished</b>" in offline  # a step was taken past the run's summary
