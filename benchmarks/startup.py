@@ -9,6 +9,13 @@ Each measure runs in a fresh Python process (imports included, as a new kernel o
 - `attach`: on a running Ray head, a controller with detached actors takes a step and is killed (SIGKILL);
   a new process runs `rl.Session.attach(name)` and one `step()`: split into imports, attach, the step.
 The tiny config of the vs-TRL work (8 prompts x 8 samples, <= 8 new tokens), one thread per actor.
+
+Beside each, its **floor**, measured the same way in the same run: what any program must pay to reach the same
+point with the same processes and nothing of ours in between —
+- embedded: the imports, an embedded `ray.init`, and one bare actor per role of the session (policy, rollout,
+  reward) that imports torch and transformers, builds the same model and runs one forward, all side by side;
+- attach: the imports, `ray.init(address=...)` to the running head, and one call on an actor already there.
+The ratio (ours / floor) is what carries from one machine to another; absolute seconds do not.
 """
 from __future__ import annotations
 
@@ -47,6 +54,47 @@ elif mode == "first":  # detached actors, one step, then wait to be killed
     sess.step()
     json.dump({"name": sess.name}, open(out, "w"))
     time.sleep(600)
+elif mode == "floor-embedded":  # the embedded start with nothing of ours: Ray, and bare role processes
+    import os
+    import ray
+    cfg = rl.Config.load(None, sys.argv[3:])
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    t2 = time.perf_counter()
+
+    @ray.remote(num_cpus=1)
+    class Bare:
+        def __init__(self, model_cfg):
+            import torch
+            import transformers  # noqa: F401  (what a role process imports)
+            from rlbench_nb.data.tasks.arithmetic import make_model
+            self.model, self.torch = make_model(model_cfg, 64, seed=0), torch
+
+        def forward(self):
+            with self.torch.no_grad():
+                return float(self.model(input_ids=self.torch.zeros(1, 8, dtype=self.torch.long)).logits.sum())
+    roles = [Bare.remote(cfg.model) for _ in ("policy", "rollout", "reward")]  # side by side, as the session's
+    ray.get([r.forward.remote() for r in roles])
+    t3 = time.perf_counter()
+    json.dump({"imports_s": t1 - t0, "session_s": t2 - t1, "work_s": t3 - t2}, open(out, "w"))
+    ray.shutdown()
+elif mode == "floor-attach":  # connect to the head and make one call on an actor that is already there
+    import ray
+    ray.init(address=sys.argv[4], namespace="startup-floor", log_to_driver=False)
+    t2 = time.perf_counter()
+    ray.get(ray.get_actor(sys.argv[3]).ping.remote())
+    t3 = time.perf_counter()
+    json.dump({"imports_s": t1 - t0, "session_s": t2 - t1, "work_s": t3 - t2}, open(out, "w"))
+elif mode == "resident":  # the actor the attach floor calls: detached, so it outlives this process
+    import ray
+    ray.init(address=sys.argv[4], namespace="startup-floor", log_to_driver=False)
+
+    @ray.remote(num_cpus=0)
+    class Resident:
+        def ping(self):
+            return 1
+    r = Resident.options(name=sys.argv[3], lifetime="detached").remote()
+    ray.get(r.ping.remote())
+    json.dump({}, open(out, "w"))
 else:  # attach
     sess = rl.Session.attach(sys.argv[3], address=sys.argv[4])
     t2 = time.perf_counter()
@@ -103,6 +151,14 @@ def ray_head() -> tuple[subprocess.Popen, str]:
     return head, address
 
 
+def machine() -> str:
+    """The CPU, its cores and its widest vector unit: what the figures above are of."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    simd = "AVX-512" if " avx512f" in info else "AVX2" if " avx2" in info else "no AVX2"
+    return f"{model}, {os.cpu_count()} cores, {simd}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
@@ -111,21 +167,32 @@ def main():
     root = Path(tempfile.mkdtemp(prefix="startup_"))
     # embedded first, with no other Ray cluster on the machine (a user's case): a second cluster beside it
     # slows an embedded start by ~6 s here (its ray.init waits twice as long for its raylet and API server)
-    rows = [{"what": "embedded", **embedded(root, rep)} for rep in range(args.reps)]
+    rows = []
+    for rep in range(args.reps):  # ours and its floor alternate: a slow minute of the machine hits both
+        rows.append({"what": "embedded", **embedded(root, rep)})
+        rows.append({"what": "embedded floor", **child(["floor-embedded", *TINY], root / f"floor-e-{rep}.json")})
     head, address = ray_head()
     try:
-        rows += [{"what": "attach", **attach(root, rep, address)} for rep in range(args.reps)]
+        child(["resident", "startup-resident", address], root / "resident.json")
+        for rep in range(args.reps):
+            rows.append({"what": "attach", **attach(root, rep, address)})
+            rows.append({"what": "attach floor",
+                         **child(["floor-attach", "startup-resident", address], root / f"floor-a-{rep}.json")})
     finally:
         os.killpg(head.pid, signal.SIGTERM)  # the head this started, and only it
         head.wait(timeout=60)
-    print(f"\nstart-up, median of {args.reps} (fresh processes; tiny config, Ray, one thread per actor)")
-    print(f"{'what':<10} {'imports s':>9} {'session s':>9} {'work s':>7} {'total s':>8}   "
-          "session = Session() / attach by a new controller; work = first rollout / first step")
-    for what in ("embedded", "attach"):
-        rs = [r for r in rows if r["what"] == what]
-        med = {k: statistics.median(r[k] for r in rs) for k in ("imports_s", "session_s", "work_s")}
-        total = statistics.median(r["imports_s"] + r["session_s"] + r["work_s"] for r in rs)
-        print(f"{what:<10} {med['imports_s']:>9.1f} {med['session_s']:>9.1f} {med['work_s']:>7.2f} {total:>8.1f}")
+    print(f"\nstart-up, median of {args.reps} (fresh processes; tiny config, Ray, one thread per actor; {machine()})")
+    print(f"{'what':<15} {'imports s':>9} {'session s':>9} {'work s':>7} {'total s':>8} {'x floor':>8}   "
+          "session = Session() / attach / the floor's ray.init; work = first rollout / first step / the floor's call")
+    kinds = ("embedded", "embedded floor", "attach", "attach floor")
+    med = {w: {k: statistics.median(r[k] for r in rows if r["what"] == w) for k in ("imports_s", "session_s", "work_s")}
+           for w in kinds}
+    total = {w: statistics.median(r["imports_s"] + r["session_s"] + r["work_s"] for r in rows if r["what"] == w)
+             for w in kinds}
+    for w in kinds:
+        ratio = "" if w.endswith("floor") else f"{total[w] / total[w + ' floor']:.2f}"
+        print(f"{w:<15} {med[w]['imports_s']:>9.1f} {med[w]['session_s']:>9.1f} {med[w]['work_s']:>7.2f} "
+              f"{total[w]:>8.1f} {ratio:>8}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import RLBenchError
+from .errors import RLBenchError, disk_full, free_bytes
 from .roles.rollout.base import RolloutWorker
 from .roles.snapshots import SnapshotHolder
 
@@ -87,8 +87,12 @@ def take(sess: Session, to_disk: bool = False) -> Snapshot:
         for role in HOLDERS:
             if role in sess.groups:
                 size += sum(sess.groups[role].call(SnapshotHolder.hold, key, None if path is None else str(path)))
-    except BaseException:  # a full disk, a read-only folder, no memory: the ranks that did hold their part let go
-        _let_go(sess, key, path)
+    except BaseException as e:  # a full disk, a read-only folder, no memory: the ranks that did hold their part
+        _let_go(sess, key, path)  # let go, and the files written are deleted
+        if path is not None and isinstance(e, Exception) and disk_full(e, path.parent):
+            raise SnapshotError(f"no space left for a snapshot in {path.parent} ({free_bytes(path.parent) / 2**20:.1f}"
+                                f" MiB free; {size / 2**20:.1f} MiB were written before it ran out, now deleted): "
+                                "free some space, or keep it in the workers' memory with sess.snapshot()") from e
         raise
     snap = Snapshot(key=key, controller=sess.controller_state(),
                     rollout_states=sess.groups["rollout"].call(RolloutWorker.get_state), cfg=sess.cfg,

@@ -26,6 +26,8 @@ def test_config_typo_is_one_line_and_exit_2(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing started, nothing written
 
 
+# Cost ~24 s: two `rlbench-nb train` subprocesses (each imports torch and transformers); the only end-to-end check of
+# --resume.
 def test_train_then_resume(tmp_path):
     run_dir = tmp_path / "run"
     out = cli("train", "configs/arith_grpo.yaml", *SMALL, "run.steps=4", "--steps", "2", "--run-dir", str(run_dir))

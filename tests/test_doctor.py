@@ -216,6 +216,7 @@ def test_settings_that_do_nothing_are_named():
     assert idle_settings(load(CONFIG, ["algo.kl_coef=0.01", "algo.kl_ctrl=adaptive", "algo.target_kl=0.5"]))[0].ok
 
 
+# Cost ~15 s: two `rlbench-nb doctor` subprocesses (a pass and a planted failure): the exit codes a CI job reads.
 def test_the_doctor_command_prints_its_checks_and_says_pass_or_fail_by_its_exit_code(tmp_path):
     run = [sys.executable, "-m", "rlbench_nb.cli", "doctor", CONFIG, *SMALL]
     done = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=tmp_path)

@@ -118,6 +118,7 @@ def _training_rows(path):
     return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in read_jsonl(path) if "reward/mean" in r]
 
 
+# Cost ~35 s: the quickstart in a kernel, then its script and its marimo twin; the only parity check of the three.
 @pytest.mark.integration  # a real kernel: the second stage (pyproject.toml's markers)
 def test_notebook_and_exported_script_give_the_same_run(tmp_path):
     """nbclient runs the quickstart in a real kernel; its exported script and its marimo twin run with the same

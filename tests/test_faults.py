@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -98,6 +99,8 @@ def quickstart_script(tmp_path_factory) -> tuple[Path, Path]:
     return script, folder / "straight"
 
 
+# Cost ~20 s each: a CLI subprocess killed (SIGKILL / SIGINT) mid-run and resumed, against the module's one straight
+# run.
 @pytest.mark.parametrize("how", ["kill", "interrupt"])
 def test_killed_cli_run_resumes_with_the_metrics_of_a_straight_run(tmp_path, how, straight_cli_run):
     proc = _start([*_cli(tmp_path), "run.name=killed"], tmp_path / "killed.log")
@@ -106,6 +109,8 @@ def test_killed_cli_run_resumes_with_the_metrics_of_a_straight_run(tmp_path, how
     _same_as_straight(tmp_path / "killed", straight_cli_run, 30)
 
 
+# Cost ~20 s each: the exported script killed mid-run and resumed with --resume; the straight run is the module
+# fixture's.
 @pytest.mark.parametrize("how", ["kill", "interrupt"])
 def test_killed_exported_script_resumes_with_the_metrics_of_a_straight_run(tmp_path, how, quickstart_script):
     script, straight = quickstart_script
@@ -381,12 +386,18 @@ def test_non_finite_weights_after_an_update_stop_before_they_spread(small_cfg, t
         assert sess.state == "ready" and sess.step()["update/skipped"] == 0
 
 
-def test_a_full_disk_is_named_the_partial_save_removed_and_nothing_written_lost(small_cfg, tmp_path):
+def _small_file_system(tmp_path, size: str):
+    """A tmpfs of `size` under tmp_path (unmounted by the caller): a disk that really fills."""
     small = tmp_path / "small"
     small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14M", "tmpfs", str(small)],
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(small)],
                       capture_output=True).returncode != 0:
         pytest.skip("needs a small file system: mounting a tmpfs requires root")
+    return small
+
+
+def test_a_full_disk_is_named_the_partial_save_removed_and_nothing_written_lost(small_cfg, tmp_path):
+    small = _small_file_system(tmp_path, "14M")
     try:
         with rl.Session(small_cfg("run.tensorboard=false"), run_dir=small / "run") as sess:
             sess.step()
@@ -487,3 +498,35 @@ def test_every_way_back_on_a_read_only_run_directory_says_so_and_is_refused_unti
         assert json.loads((run / "controller_state.json").read_text())["step"] == 1
         sess.step()
         assert sess.step_count == 2 and sess.groups["policy"].workers[0].adam_steps() == 2
+
+
+def test_a_snapshot_to_a_disk_that_fills_half_way_frees_what_its_first_role_wrote(small_cfg, tmp_path):
+    """PPO (the policy and the critic each hold their part of a snapshot, one after the other) on a small file
+    system with room for one part but not two: the snapshot fails naming the full disk, and the part the policy
+    had written is deleted and let go, not held until close; the session steps on, and a snapshot fits again."""
+    small = _small_file_system(tmp_path, "40M")
+    try:
+        with rl.Session(small_cfg("run.tensorboard=false", "algo.advantage=gae"), run_dir=small / "run") as sess:
+            sess.step()
+            probe = sess.snapshot(to_disk=True)  # each role's part, measured where it was written
+            part = {f.name: f.stat().st_size for f in probe.path.iterdir()}
+            assert set(part) == {"policy-rank0.pt", "critic-rank0.pt"}
+            probe.release()
+            free = shutil.disk_usage(small).free
+            room = free - int(1.5 * max(part.values()))  # leave room for one part and a half
+            with (small / "filler").open("wb") as f:
+                f.truncate(0)
+                f.write(b"\0" * room)
+            policy = sess.groups["policy"].workers[0]
+            held = set(getattr(policy, "_held", {}))
+            with pytest.raises(rl.RLBenchError, match=r"no space left for a snapshot in .* MiB free; .* now deleted\): "
+                                                      r"free some space, or keep it in the workers' memory"):
+                sess.snapshot(to_disk=True)
+            assert set(getattr(policy, "_held", {})) == held  # the policy's part: let go
+            assert not any((sess.run_dir / "snapshots").iterdir())  # and its file deleted
+            assert shutil.disk_usage(small).free >= int(1.4 * max(part.values()))
+            sess.step()
+            (small / "filler").unlink()
+            assert sess.snapshot(to_disk=True).path.exists()
+    finally:
+        subprocess.run(["umount", "-l", str(small)])

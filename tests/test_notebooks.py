@@ -21,6 +21,7 @@ def execute(name: str, params: str) -> str:
     return "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stdout")
 
 
+# Cost ~11 s: notebook 02 in a kernel; the only run of the reward-shaping journey.
 def test_inspect_and_shape_rewards(tmp_path):
     text = execute("02_inspect_and_shape_rewards.ipynb",
                    f"steps = 3\nrun_dir = {str(tmp_path)!r}\noverrides = {[*SMALL, 'run.tensorboard=false']!r}")
@@ -31,6 +32,8 @@ def test_inspect_and_shape_rewards(tmp_path):
     assert "with the shaped reward" in text
 
 
+# Cost ~19 s: notebook 04 in a kernel with its asserted outputs (the replays differ); the only run of the what-if
+# journey.
 def test_what_if_notebook_replays_forks_compares_and_keeps_one(tmp_path):
     text = execute("04_what_if.ipynb", f"steps = 2\nbranch_steps = 2\nrun_dir = {str(tmp_path)!r}\n"
                                        f"overrides = {[*SMALL, 'run.tensorboard=false', 'task.num_test=16']!r}")

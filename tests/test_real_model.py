@@ -78,6 +78,7 @@ def _gap(logits_V: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
+# Cost ~25 s: dequantizes the real 98 MB GGUF; the only check that the published file loads as the README says.
 def test_the_gguf_file_itself_loads_as_its_converted_folder(real_assets, monkeypatch):
     """model.path may name the .gguf file (or its folder): converted once through transformers' GGUF reader into a
     cached from_pretrained folder (the fixture's, built by the same function) with the GGUF's own logits, its
@@ -237,6 +238,7 @@ def test_lora_trains_only_adapters_and_its_merged_weights_reach_the_engine_and_t
     sess.close()
 
 
+# Cost ~105 s: a kernel loads the 135M model and samples 8 GSM8K answers; the only run of notebook 06 as a user runs it.
 def test_the_real_model_notebook_runs_top_to_bottom(real_assets, tmp_path):
     """notebooks/06_real_model.ipynb top to bottom in a real kernel on SmolLM2 and GSM8K: its printed facts are
     the real model's, and the shaped reward re-scores the same 8 samples within its range."""

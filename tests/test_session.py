@@ -160,6 +160,8 @@ else:
 """
 
 
+# Cost ~18 s each: a fresh interpreter loads the checkpoint, so nothing in this process's memory can make the resume
+# look exact.
 @pytest.mark.parametrize("algo", [
     ["algo.kl_coef=0.05"],                                                                # GRPO + reference KL loss
     ["algo.advantage=gae", "algo.kl_in=reward", "algo.kl_coef=0.02", "algo.kl_ctrl=adaptive",

@@ -160,7 +160,7 @@ class Dashboard:
         from .inspector import Inspector
         s = self.session
         found = nearest_saved(s.run_dir, step, kind)
-        opened = (kind, found[0] if found else None)
+        opened = (kind, step, found[0] if found else None)
         if opened == self._opened and found:  # plotly calls each trace of the clicked panel: open it once
             return self._inspector
         inspector = Inspector(found[1], tokenizer=s.tokenizer) if found else None

@@ -149,6 +149,8 @@ def test_lora_under_two_fsdp_ranks_matches_one_process(ray_cluster, small_cfg, t
     assert _comparable(resumed) == pytest.approx(_comparable(nxt), rel=1e-6, abs=1e-7)
 
 
+# Cost ~50 s: a bf16 Ray session of 2 ranks beside the in-process bf16 path; the only check of FSDP2's mixed-precision
+# policy.
 def test_bf16_fsdp_keeps_fp32_master_shards_and_trains_like_one_process(ray_cluster, small_cfg):
     """FSDP2 mixed precision: fp32 shards (the optimizer's master copy), bf16 compute; the step's
     numbers agree with the single-process bf16 path (autocast) to bf16 precision."""
@@ -169,6 +171,8 @@ def test_bf16_fsdp_keeps_fp32_master_shards_and_trains_like_one_process(ray_clus
     assert all(abs(r["loss/policy"]) < 10 for r in rows["ray"])
 
 
+# Cost ~48 s: kills real actors and rebuilds their roles; the default run has no Ray, so this is where a dead worker
+# is named.
 def test_dead_worker_is_named_and_the_role_restarts(ray_cluster, small_cfg):
     sess = rl.Session(small_cfg(*RAY, "cluster.train_ranks=2", "cluster.call_timeout_s=60"))
     sess.step()
@@ -224,6 +228,8 @@ def test_a_rank_that_lost_its_peer_names_the_peer_that_died(ray_cluster):
         ray.kill(r)
 
 
+# Cost ~24 s: a Ray session with the engine as a guest in the policy's actor; the only test of the in-memory handover
+# and its restart.
 def test_colocated_rollout_lives_in_the_policy_process(ray_cluster, small_cfg):
     """rollout.colocate: the engine is a second worker in the policy's actor; weights are handed over in
     memory; restarting the policy takes its guest along."""
@@ -279,6 +285,8 @@ def test_impossible_resources_say_what_is_missing(ray_cluster, small_cfg):
         remove_placement_group(other)
 
 
+# Cost ~21 s: overlap is only real across processes; in-process async tests (test_async.py) check the staleness rules
+# cheaply.
 def test_async_run_overlaps_rollout_with_training(ray_cluster, small_cfg):
     from rlbench_nb.metrics import overlap_fraction
     sess = rl.Session(small_cfg(*RAY, "cluster.train_ranks=2"))
@@ -295,6 +303,8 @@ def test_async_run_overlaps_rollout_with_training(ray_cluster, small_cfg):
     sess.close()
 
 
+# Cost ~85 s: vLLM starts inside a Ray actor (~40 s of it the engine); the only check of vLLM's in-place weight reload
+# under Ray.
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 def test_vllm_engine_inside_a_rollout_actor(ray_cluster, small_cfg):
     """One vllm.LLM per rollout actor: it samples what the trainer scores, and reloads weights in place."""
@@ -369,6 +379,8 @@ def _loss_in_the_policy_workers(logprobs_BR, old_logprobs_BR, advantages_BR, mas
     return -advantages_BR * logprobs_BR, {"shipped": 1.0}
 
 
+# Cost ~45 s: one 2-rank Ray session carries snapshots, a fork with a shipped loss and the read-only run directory
+# (issue 37).
 def test_snapshots_branches_and_shipped_losses_with_two_fsdp_ranks(ray_cluster, small_cfg):
     """Under Ray with 2 FSDP2 ranks (each rank holds its own shards of the snapshot): stepping after a
     restore is bit-identical, and a fork with a custom loss shipped to the actors leaves the main line as it
@@ -536,6 +548,7 @@ class _StartsWith:
             raise ValueError("no model at /nowhere")
 
 
+# Cost ~13 s: role processes really start side by side under Ray; a failing one must leave no actor behind.
 def test_a_sessions_roles_start_side_by_side_and_a_failing_one_leaves_no_actor(ray_cluster, small_cfg, tmp_path):
     """Workers builds its roles at the same time (each role's processes import and load while the others
     do): here the policy's worker cannot finish until the rollout's has started, which a role-by-role start

@@ -32,6 +32,7 @@ def processes_of(gcs_address: str) -> list[str]:
     return [line for line in ray_processes() if f":{port}" in line or f"_port={port}" in line]
 
 
+# Cost ~12 s: the bound is the point (ray.init alone would retry for minutes).
 def test_unreachable_address_is_a_clear_error_not_a_hang(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -65,6 +66,8 @@ print("NO ERROR", flush=True)
 """
 
 
+# Cost ~75 s with its own head (stopped under the session, so it cannot share the module's): the only lost-cluster
+# check.
 def test_a_lost_cluster_is_a_clear_error_not_a_hang(tmp_path):
     with RayHead() as head:  # its own head: the test stops it under the session
         _lose_the_cluster(head, tmp_path)
@@ -107,6 +110,8 @@ sess.close()
 """
 
 
+# Cost ~40 s: an embedded cluster, a second process trying it without the token, then a step; the only security check
+# of Ray's ports.
 def test_the_embedded_cluster_refuses_a_client_without_its_token(tmp_path):
     """Ray binds every interface (it ignores loopback-only requests); the embedded cluster is safe only
     because it is token-authenticated. A client without the token is refused. The session then steps and
@@ -203,6 +208,8 @@ else:  # "third": a second controller on the same run, refused; then taking it o
 """
 
 
+# Cost ~65 s: a controller subprocess starts detached actors, is SIGKILLed, and a second one attaches; nothing else
+# kills a controller under Ray.
 def test_killed_controller_reattaches_to_detached_actors(ray_head, tmp_path):
     first_out, second_out = tmp_path / "first.json", tmp_path / "second.json"
     args = [*SMALL, f"run.dir={tmp_path / 'runs'}", "run.tensorboard=false", "cluster.backend=ray",
@@ -247,6 +254,8 @@ def test_killed_controller_reattaches_to_detached_actors(ray_head, tmp_path):
     assert "ClusterError: no run named 'nope' in Ray namespace 'rlbench-nb'" in out.stderr
 
 
+# Cost ~50 s on the module's shared head (its start paid once for two tests): notebook 03, the cluster journey, in a
+# kernel.
 def test_the_cluster_notebook_attaches_and_overlaps(ray_head, tmp_path):
     """notebooks/03_cluster.ipynb on the head above, in a real kernel: two FSDP ranks in their pool, the reward in
     its own, the rollout overlapped with training."""

@@ -143,6 +143,7 @@ def test_the_rollout_worker_runs_episodes_from_its_model_folder(taught, tmp_path
     assert tok.decode(out["response_ids_BR"][0][out["response_mask_BR"][0].bool()]) == "*40+2=42 42<eos>"
 
 
+# Cost ~22 s only when it runs first: its Session pays the run's one warm start (conftest.warm_start_cache); alone ~1 s.
 def test_environment_tokens_get_no_gradient(small_cfg):
     """With a loss mask, what sits on environment tokens (their old and reference log-probs, advantages) moves
     neither the loss nor any gradient; the same change on one of the model's tokens moves both."""

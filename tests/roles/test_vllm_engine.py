@@ -50,6 +50,8 @@ def _same_responses(a, b):
     assert torch.equal(a["response_mask_BR"], b["response_mask_BR"])
 
 
+# Cost ~40 s of it is the module fixture's vLLM start, shared by the module's tests; the only HF-vs-vLLM token check
+# in CI.
 def test_greedy_tokens_match_hf_before_and_after_an_update(vllm_session):
     sess = vllm_session
     probe = _probe(sess)

@@ -9,6 +9,8 @@ from ..conftest import REPO, SMALL
 pytestmark = pytest.mark.integration  # the second stage: see pyproject.toml's markers
 
 
+# Cost ~24 s: a real kernel, so the background thread, the free kernel and the dashboard's updates are the kernel's,
+# not pytest's.
 def test_background_run_in_a_kernel(tmp_path):
     overrides = [*SMALL, f"run.dir={tmp_path}", "run.tensorboard=false", "data.batch_size=4", "rollout.n=2",
                  "task.num_test=20"]

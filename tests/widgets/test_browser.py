@@ -30,9 +30,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def lab(tmp_path):
-    """JupyterLab on loopback with a token, hermetic settings, root dir tmp_path."""
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """JupyterLab on loopback with a token, hermetic settings, a root dir of its own; one server for the module's
+    tests (each opens its own notebook in its own kernel and page)."""
+    tmp_path = tmp_path_factory.mktemp("lab")
     settings = tmp_path / "settings"
     for rel, value in (("@jupyterlab/notebook-extension/tracker.jupyterlab-settings", {"windowingMode": "none"}),
                        ("@jupyterlab/apputils-extension/notification.jupyterlab-settings",
@@ -171,6 +173,8 @@ LEGENDS = """sel => [...document.querySelectorAll(sel + ' g')].filter(g => /^leg
 QUICKSTART_LEGEND = {"rollout", "score", "prepare", "update", "policy", "reward", "generate", "max", "mean"}
 
 
+# Cost ~60 s: JupyterLab, Chromium and a kernel running the quickstart; the only test that sees the widgets rendered
+# and clicked.
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (apt-get install chromium)")
 def test_quickstart_in_jupyterlab_renders_dashboard_and_inspector(lab, tmp_path):
     got = _run_all_cells(lab, "01_quickstart.ipynb",
@@ -215,6 +219,7 @@ def test_quickstart_in_jupyterlab_renders_dashboard_and_inspector(lab, tmp_path)
     assert not got["errors"], got["errors"]
 
 
+# Cost ~30 s: notebook 04 in JupyterLab and Chromium (the server is the module's, shared with the quickstart's test).
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (apt-get install chromium)")
 def test_what_if_notebook_renders_the_comparison(lab, tmp_path):
     got = _run_all_cells(lab, "04_what_if.ipynb",
