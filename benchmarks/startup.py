@@ -61,7 +61,7 @@ elif mode == "floor-embedded":  # the embedded start with nothing of ours: Ray, 
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     t2 = time.perf_counter()
 
-    @ray.remote(num_cpus=1)
+    @ray.remote
     class Bare:
         def __init__(self, model_cfg):
             import torch
@@ -72,12 +72,17 @@ elif mode == "floor-embedded":  # the embedded start with nothing of ours: Ray, 
         def forward(self):
             with self.torch.no_grad():
                 return float(self.model(input_ids=self.torch.zeros(1, 8, dtype=self.torch.long)).logits.sum())
-    roles = [Bare.remote(cfg.model) for _ in ("policy", "rollout", "reward")]  # side by side, as the session's
+    # Side by side, each reserving what the session's workers reserve (cluster.cpus_per_worker): with a whole
+    # CPU each, the third of three would wait forever on two cores.
+    bare = Bare.options(num_cpus=cfg.cluster.cpus_per_worker)
+    roles = [bare.remote(cfg.model) for _ in ("policy", "rollout", "reward")]
     ray.get([r.forward.remote() for r in roles])
     t3 = time.perf_counter()
     json.dump({"imports_s": t1 - t0, "session_s": t2 - t1, "work_s": t3 - t2}, open(out, "w"))
     ray.shutdown()
 elif mode == "floor-attach":  # connect to the head and make one call on an actor that is already there
+    import os
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # the head wants its token, as rlbench_nb.cluster sets
     import ray
     ray.init(address=sys.argv[4], namespace="startup-floor", log_to_driver=False)
     t2 = time.perf_counter()
@@ -85,6 +90,8 @@ elif mode == "floor-attach":  # connect to the head and make one call on an acto
     t3 = time.perf_counter()
     json.dump({"imports_s": t1 - t0, "session_s": t2 - t1, "work_s": t3 - t2}, open(out, "w"))
 elif mode == "resident":  # the actor the attach floor calls: detached, so it outlives this process
+    import os
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # the head wants its token, as rlbench_nb.cluster sets
     import ray
     ray.init(address=sys.argv[4], namespace="startup-floor", log_to_driver=False)
 
@@ -106,10 +113,11 @@ else:  # attach
 
 
 def child(args: list[str], out: Path, wait: bool = True):
+    err = out.with_suffix(".err")
     proc = subprocess.Popen([sys.executable, "-c", CHILD, *args[:1], str(out), *args[1:]],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=err.open("w"))
     if wait:
-        assert proc.wait(timeout=600) == 0, f"{args[0]} failed"
+        assert proc.wait(timeout=600) == 0, f"{args[0]} failed:\n{err.read_text()[-2000:]}"
         return json.loads(out.read_text())
     deadline = time.time() + 600
     while not out.exists() and proc.poll() is None and time.time() < deadline:
