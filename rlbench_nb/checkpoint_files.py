@@ -54,7 +54,7 @@ def write_atomically(final: Path, write: Callable[[Path], None]) -> None:
         (tmp / "MANIFEST.json").write_text(json.dumps(_manifest(tmp), indent=1))
         (tmp / "COMPLETE").write_text("ok")
     except BaseException as e:
-        full = isinstance(e, Exception) and disk_full(_root_cause(e), final.parent)  # before the space comes back
+        full = isinstance(e, Exception) and disk_full(e, final.parent)  # before the space comes back
         written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if full and tmp.exists() else 0
         shutil.rmtree(tmp, ignore_errors=True)  # a partial save must not keep the disk full
         if full:
@@ -74,13 +74,6 @@ def write_atomically(final: Path, write: Callable[[Path], None]) -> None:
     latest_tmp = final.parent / f".latest.tmp{os.getpid()}"
     latest_tmp.write_text(final.name)
     latest_tmp.replace(final.parent / "latest")
-
-
-def _root_cause(e: BaseException) -> BaseException:
-    """A worker's error carries its cause's text; its own __cause__ chain ends at the OSError."""
-    while e.__cause__ is not None:
-        e = e.__cause__
-    return e
 
 
 def _latest_name(folder: Path) -> str:
