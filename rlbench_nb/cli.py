@@ -10,6 +10,7 @@
     rlbench-nb kernel install [--ray-address HOST:PORT]      # the Jupyter kernel, extension loaded
     rlbench-nb data gsm8k Downloads/gsm8k -o data/gsm8k       # a published dataset -> prompt files (or: math)
     rlbench-nb doctor configs/arith_grpo.yaml                # certify a session before a long run (exit 1: a failure)
+    rlbench-nb serve configs/arith_grpo.yaml --port 8000     # the Tinker API over a session (docs/tinker.md)
 """
 from __future__ import annotations
 
@@ -201,11 +202,38 @@ def doctor(argv: list[str]) -> int:
     return 0 if report.ok else 1
 
 
+def serve(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="rlbench-nb serve", description="Start a session on CONFIG and serve it over the "
+                                "Tinker API (the tinker SDK and tinker-cookbook recipes train its policy and sample "
+                                "from its engines) until Ctrl-C. Prints the base URL and the API key a client needs.")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: a free one; default 8000)")
+    p.add_argument("--api-key", help="the key clients must send (tml-...); default: a new random one")
+    args = p.parse_args(argv)
+    import time
+
+    from .session import Session
+    with Session(args.config, args.overrides) as sess:
+        srv = sess.serve_tinker(args.host, args.port, args.api_key)
+        print(f"serving run {sess.run_dir} over the Tinker API\n  export TINKER_BASE_URL={srv.url}\n"
+              f"  export TINKER_API_KEY={srv.api_key}", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            print("stopping: the run directory keeps every checkpoint and metrics row", flush=True)
+        finally:
+            srv.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     commands = {"train": train, "export": export, "report": report, "weights": weights, "kernel": kernel, "data": data,
-                "doctor": doctor}
+                "doctor": doctor, "serve": serve}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         return 0 if not argv or argv[0] in ("-h", "--help") else 2

@@ -487,5 +487,6 @@ class Session:
     # ---- display: methods written in views.py ---------------------------------------------------
     dashboard = views.dashboard
     inspect = views.inspect
+    serve_tinker = views.serve_tinker
     __repr__ = views.describe
     _repr_html_ = views.describe_html

@@ -22,6 +22,13 @@ def dashboard(self: Session, max_points: int = 500):
     return Dashboard(self, max_points=max_points)
 
 
+def serve_tinker(self: Session, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None):
+    """Serve this session over the Tinker API (rlbench_nb/serve/, docs/tinker.md): the `tinker` SDK and
+    tinker-cookbook recipes train its policy and sample from its engines, in this kernel or another process."""
+    from .serve import serve_tinker as start
+    return start(self, host, port, api_key)
+
+
 def inspect(self: Session, batch: Batch | str | Path | None = None):
     """Rollout inspector for a batch, or a saved rollouts file (default: the latest one of this run)."""
     from .widgets import Inspector

@@ -29,6 +29,7 @@ from .conftest import REPO
     ("benchmarks/soak.py", ["--steps", "3", "--every", "1"]),
     ("benchmarks/reward_isolation.py", ["--batches", "4", "--reps", "1"]),
     ("benchmarks/whatif.py", ["--backends", "local", "--reps", "1", "data.batch_size=8"]),
+    ("benchmarks/tinker_overhead.py", ["--models", "tiny", "--reps", "1"]),  # the SDK over HTTP against the same work
     ("benchmarks/packing.py", ["--size", "tiny", "--prompts", "4", "--max-len", "16", "--reps", "1"]),
     ("benchmarks/attention.py", ["--sizes", "tiny", "--steps", "1", "--warmup", "0", "--reps", "1"]),
     pytest.param("benchmarks/lora.py", ["--sizes", "20m", "--steps", "1", "--warmup", "0", "--reps", "1"],

@@ -18,14 +18,18 @@ SESSION_MAX_LINES = 500  # test_the_session_module_does_not_grow_back
 # layer -> the package's layers it must not import at module level (a function may import lazily, as
 # Session.dashboard() does the widgets)
 FORBIDDEN = {
-    "algos": ("cluster", "data", "roles", "metrics", "session", "runner", "widgets", "ipython", "checkpoint"),
-    "rewards": ("cluster", "data", "roles", "metrics", "session", "runner", "widgets", "ipython", "checkpoint"),
-    "envs": ("cluster", "data", "roles", "metrics", "session", "runner", "widgets", "ipython", "checkpoint"),
-    "data": ("cluster", "roles", "session", "runner", "widgets", "ipython", "checkpoint"),
-    "metrics": ("cluster", "roles", "session", "runner", "widgets", "ipython"),
-    "roles": ("cluster", "session", "runner", "widgets", "ipython"),
-    "cluster": ("roles", "session", "runner", "widgets", "ipython"),
-    "session": ("widgets", "ipython"),
+    "algos": ("cluster", "data", "roles", "metrics", "session", "runner", "widgets", "ipython", "checkpoint",
+              "serve"),
+    "rewards": ("cluster", "data", "roles", "metrics", "session", "runner", "widgets", "ipython", "checkpoint",
+                "serve"),
+    "envs": ("cluster", "data", "roles", "metrics", "session", "runner", "widgets", "ipython", "checkpoint",
+             "serve"),
+    "data": ("cluster", "roles", "session", "runner", "widgets", "ipython", "checkpoint", "serve"),
+    "metrics": ("cluster", "roles", "session", "runner", "widgets", "ipython", "serve"),
+    "roles": ("cluster", "session", "runner", "widgets", "ipython", "serve"),
+    "cluster": ("roles", "session", "runner", "widgets", "ipython", "serve"),
+    "session": ("widgets", "ipython", "serve"),  # Session.serve_tinker imports serve/ when called
+    "serve": ("widgets", "ipython"),
 }
 
 

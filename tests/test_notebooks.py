@@ -54,6 +54,18 @@ def test_what_if_notebook_replays_forks_compares_and_keeps_one(tmp_path):
     assert (tmp_path / "branches" / "lr-5e-5" / "metrics.jsonl").exists()
 
 
+# Cost ~25 s: notebook 07 in a kernel: a Tinker server on the session, the SDK's loop, the dashboard, a fork.
+def test_tinker_notebook_drives_the_session_with_the_sdk_then_inspects_and_forks(tmp_path):
+    text = execute("07_tinker_api.ipynb", f"steps = 3\nfork_steps = 2\nrun_dir = {str(tmp_path)!r}\n"
+                                          f"overrides = {[*SMALL, 'run.tensorboard=false', 'task.num_test=16']!r}")
+    assert len(re.findall(r"step \d: reward [\d.]+, \d+ datums", text)) == 3
+    assert "the session took 3 steps" in text        # each optim_step was one of the session's steps
+    assert re.search(r"the client's last sample: '\d+[+\-*]\d+=' -> ", text)
+    assert re.search(r"fork grpo-lr-1e-4: 2 steps of the session's GRPO from step 3; reward [\d.]+ -> [\d.]+; "
+                     r"the session is back at step 3", text)
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
 @pytest.mark.slow  # the tool task's warm start (~30 s, shared with the other tool tests) and 20 steps
 def test_tools_notebook_finds_the_broken_tool_fixes_it_and_trains(tmp_path):
     text = execute("05_tools.ipynb", f"steps = 20\nrun_dir = {str(tmp_path)!r}\n"

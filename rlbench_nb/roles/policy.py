@@ -16,7 +16,7 @@ from ..data.batch import Batch, trained_tokens
 from ..metrics.memory import memory_snapshot
 from . import distributed as dist_util
 from . import lora as lora_util
-from . import shards
+from . import shards, tinker_ops
 from .common import (
     DTYPES,
     copy_tokenizer_files,
@@ -167,6 +167,14 @@ class PolicyWorker(SnapshotHolder, ReferenceWorker):
 
     def adam_steps(self) -> int:
         return adam_steps(self.model, self.optimizer)
+
+    def tinker_forward_backward(self, batch: Batch, loss_fn: str, loss_cfg: dict, forward_only: bool) -> dict:
+        """The Tinker API's forward_backward on this rank's datums (roles/tinker_ops.py): gradients accumulate."""
+        return tinker_ops.forward_backward(self, batch, loss_fn, loss_cfg, forward_only)
+
+    def tinker_optim_step(self, adam: dict) -> dict:
+        """The Tinker API's optim_step: one AdamW step with the request's hyperparameters (roles/tinker_ops.py)."""
+        return tinker_ops.optim_step(self, adam)
 
     # ---- weights and state ----------------------------------------------------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:

@@ -39,11 +39,16 @@ class TokenScorer(nn.Module):
         self.share_prefix = False  # set by the worker once it knows whether it is sharded (roles/policy.py)
         self.pack: bool | str = False  # train.pack_sequences (true, false, auto): padding-free rows (roles/packing.py)
 
-    def forward(self, prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR, with_entropy: bool = True):
+    def forward(self, prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR, with_entropy: bool = True,
+                targets_BR=None):
         """Log-probs [B, R] of the response tokens after their (left-padded) prompts, and the entropy of
-        the distribution at each of those positions ([B, R], or None)."""
+        the distribution at each of those positions ([B, R], or None). `targets_BR`: score these tokens at
+        the response's positions instead of the response's own next tokens (the Tinker API's datums name their
+        targets: roles/tinker_ops.py)."""
         if packs(self.pack, prompt_mask_BP, response_mask_BR):
-            return self._packed(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR, with_entropy)
+            return self._packed(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR, with_entropy,
+                                targets_BR)
+        scored_BR = response_ids_BR if targets_BR is None else targets_BR
         B, R = response_ids_BR.shape
         with torch.autocast(prompt_ids_BP.device.type, dtype=self.compute_dtype, enabled=self.autocast):
             if self.chunk_size == 0:
@@ -51,19 +56,20 @@ class TokenScorer(nn.Module):
                 start = prompt_ids_BP.shape[1] - 1
                 logits = self.lm(input_ids=ids, attention_mask=mask,
                                  position_ids=pos).logits[:, start:start + R].float() / self.temperature
-                lp = token_logprobs(logits, response_ids_BR)
+                lp = token_logprobs(logits, scored_BR)
                 return lp, (entropy_from_logits(logits) if with_entropy else None)
             hidden_BRH = self._response_hidden(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR)
         h = hidden_BRH.reshape(B * R, -1).to(self.compute_dtype)
-        lp, ent = token_logprobs_entropy(h, self.lm.get_output_embeddings().weight, response_ids_BR.reshape(-1),
+        lp, ent = token_logprobs_entropy(h, self.lm.get_output_embeddings().weight, scored_BR.reshape(-1),
                                          self.temperature, self.chunk_size)
         # fresh tensors, not views: FSDP2 hooks the root's outputs for backward, and a view could lose that
         return lp.view(B, R).clone(), (ent.view(B, R).clone() if with_entropy else None)
 
-    def _packed(self, prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR, with_entropy: bool):
+    def _packed(self, prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR, with_entropy: bool,
+                targets_BR=None):
         """`forward` on padding-free rows: the same numbers, zero on padding."""
         rows = pack_sequences(prompt_ids_BP, prompt_mask_BP, response_ids_BR, response_mask_BR)
-        ids_K = response_ids_BR[rows.mask_BR]
+        ids_K = (response_ids_BR if targets_BR is None else targets_BR)[rows.mask_BR]
         with torch.autocast(prompt_ids_BP.device.type, dtype=self.compute_dtype, enabled=self.autocast):
             if self.chunk_size == 0:
                 logits = self.lm(input_ids=rows.ids_NW, position_ids=rows.positions_NW,

@@ -1,0 +1,367 @@
+"""What each Tinker call does to a live Session: the training client's calls go to its policy workers, the sampling
+client's to its rollout engines, saves and loads to its run directory's checkpoints, and every optimizer step
+becomes one of the session's steps (a metrics row the dashboard draws). Every call runs as a session phase
+(guard.py): a notebook cell and a served client take turns on the workers, never both at once.
+
+One policy, many clients: every training client (`create_model`) trains the session's one policy, from the
+weights it holds. Two clients' gradients never meet in one optimizer step: while one client's `forward_backward`
+has gradients waiting for its `optim_step`, another client's training calls are refused (and say whose).
+"""
+from __future__ import annotations
+
+import collections
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..algos.tinker_losses import TINKER_LOSSES, LossInputError, loss_config
+from ..data.batch import Batch
+from ..roles.policy import PolicyWorker
+from ..roles.rollout.base import RolloutWorker
+from .wire import Datum, encode_forward_backward, encode_sample
+
+ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+                 "grad_clip_norm": 0.0}
+INPUT_KEYS = {"weights": "weights_BT", "logprobs": "logprobs_BT", "advantages": "advantages_BT"}
+
+
+class TinkerUserError(ValueError):
+    """A request this server refuses: the SDK raises it as RequestFailedError (category user) with this message."""
+
+
+@dataclass
+class TrainingModel:
+    model_id: str
+    base_model: str
+    lora_rank: int | None
+
+
+@dataclass
+class Sampler:
+    sampler_id: str
+    base_model: str
+    weights: int            # the policy's optimizer steps when these weights were saved
+    model_path: str | None = None
+
+
+@dataclass
+class PendingGradients:
+    owner: str | None = None        # the training model whose forward_backward left gradients on the policy
+    loss_sum: float = 0.0
+    datums: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    losses: set = field(default_factory=set)
+
+
+def checkpoint_name(model_id: str, kind: str, name: str) -> str:
+    """The run directory's checkpoint for a tinker:// path: `tinker-<model>-<kind>-<name>`, filesystem-safe."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"tinker-{model_id}-{kind}-{name}")
+
+
+def parse_path(path: str) -> tuple[str, str, str]:
+    """tinker://<model_id>/<weights|sampler_weights>/<name> -> (model_id, kind, name)."""
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") or not parts[2]:
+        raise TinkerUserError(f"'{path}' is not a checkpoint path of this server: tinker://<model_id>/weights/<name> "
+                              "(save_state) or tinker://<model_id>/sampler_weights/<name> (save_weights_for_sampler)")
+    return parts[0], parts[1], parts[2]
+
+
+class TinkerBackend:
+    def __init__(self, sess):
+        self.sess = sess
+        self.models: dict[str, TrainingModel] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.grads = PendingGradients()
+        self.samples: collections.deque[Batch] = collections.deque(maxlen=50)  # what clients sampled, newest last
+        cfg = sess.cfg
+        self.lora_rank = cfg.model.lora.r or None
+        self.model_name = cfg.model.path or "rlbench-nb/task"
+        self.vocab = len(sess.tokenizer)
+
+    # ---- models ---------------------------------------------------------------------------------
+    def accepts(self, base_model: str | None) -> bool:
+        if not base_model or base_model == self.model_name:
+            return True
+        return bool(self.sess.cfg.model.path) and Path(base_model).expanduser().resolve() == \
+            Path(self.sess.cfg.model.path).expanduser().resolve()
+
+    def create_model(self, model_id: str, base_model: str, lora_rank: int | None) -> dict:
+        if not self.accepts(base_model):
+            raise TinkerUserError(f"this server trains '{self.model_name}' (the session's model.path), not "
+                                  f"'{base_model}': pass base_model='{self.model_name}', or serve a session of that "
+                                  "model")
+        if self.lora_rank and lora_rank and lora_rank != self.lora_rank:
+            raise TinkerUserError(f"this session trains LoRA adapters of rank {self.lora_rank} (model.lora.r), not "
+                                  f"{lora_rank}: ask for rank={self.lora_rank}, or serve a session with "
+                                  f"model.lora.r={lora_rank}")
+        self.models[model_id] = TrainingModel(model_id, self.model_name, self.lora_rank)
+        return {"model_id": model_id, "type": "create_model"}
+
+    def model(self, model_id: str) -> TrainingModel:
+        if model_id not in self.models:
+            raise TinkerUserError(f"no training model '{model_id}' on this server (create_lora_training_client "
+                                  f"first; a server restart forgets its clients: create them again)")
+        return self.models[model_id]
+
+    def info(self, model_id: str) -> dict:
+        m = self.model(model_id)
+        arch = (self.sess.cfg.model.path and "hf") or "llama"
+        return {"model_id": model_id, "type": "get_info", "model_name": m.base_model, "is_lora": bool(m.lora_rank),
+                "lora_rank": m.lora_rank, "model_data": {"arch": arch, "model_name": m.base_model,
+                                                         "tokenizer_id": self.tokenizer_dir()}}
+
+    def tokenizer_dir(self) -> str:
+        """A folder AutoTokenizer loads: the model's own, or the run directory's copy (built-in task models)."""
+        if self.sess.cfg.model.path and Path(self.sess.cfg.model.path).is_dir():
+            return str(Path(self.sess.cfg.model.path).resolve())
+        out = self.sess.run_dir / "tokenizer"
+        if not out.exists():
+            self.sess.tokenizer.save_pretrained(str(out))
+        return str(out.resolve())
+
+    def policy_steps(self) -> int:
+        return int(self.sess.progress.trainer_steps.get("policy", 0))
+
+    # ---- training -------------------------------------------------------------------------------
+    def _claim(self, model_id: str, what: str) -> None:
+        owner = self.grads.owner
+        if owner is not None and owner != model_id:
+            raise TinkerUserError(f"cannot {what} for '{model_id}': training client '{owner}' has gradients on this "
+                                  "session's policy that its optim_step has not applied yet, and two clients' "
+                                  "gradients are never mixed into one step. Let it finish its step first")
+
+    def datum_batch(self, datums: list[Datum], loss_fn: str) -> Batch:
+        needs = TINKER_LOSSES[loss_fn][0]
+        T = max(len(d.tokens) for d in datums)
+        out = {"input_ids_BT": torch.zeros(len(datums), T, dtype=torch.long),
+               "input_mask_BT": torch.zeros(len(datums), T, dtype=torch.long),
+               "target_ids_BT": torch.zeros(len(datums), T, dtype=torch.long)}
+        for key in needs:
+            out[INPUT_KEYS[key]] = torch.zeros(len(datums), T)
+        for i, d in enumerate(datums):
+            missing = [k for k in ("target_tokens", *needs) if k not in d.inputs]
+            if missing:
+                raise TinkerUserError(f"datum {i}: loss_fn '{loss_fn}' needs loss_fn_inputs {missing} (it has "
+                                      f"{sorted(d.inputs)})")
+            ids = np.concatenate([d.tokens, d.inputs["target_tokens"].astype(np.int64)])
+            if ids.min() < 0 or ids.max() >= self.vocab:
+                raise TinkerUserError(f"datum {i}: token id {int(ids.max() if ids.max() >= self.vocab else ids.min())}"
+                                      f" is outside the model's vocabulary (0..{self.vocab - 1})")
+            n = len(d.tokens)
+            out["input_ids_BT"][i, :n] = torch.from_numpy(d.tokens)
+            out["input_mask_BT"][i, :n] = 1
+            out["target_ids_BT"][i, :n] = torch.from_numpy(d.inputs["target_tokens"].astype(np.int64))
+            for key in needs:
+                values = torch.from_numpy(d.inputs[key].astype(np.float32))
+                if not torch.isfinite(values).all():
+                    raise TinkerUserError(f"datum {i}: loss_fn_inputs['{key}'] holds inf or NaN")
+                out[INPUT_KEYS[key]][i, :n] = values
+        return Batch(out)
+
+    def forward_backward(self, model_id: str, datums: list[Datum], loss_fn: str, config: dict,
+                         forward_only: bool) -> bytes:
+        self.model(model_id)
+        try:
+            cfg = loss_config(loss_fn, config)
+        except LossInputError as e:
+            raise TinkerUserError(str(e)) from e
+        if not datums:
+            raise TinkerUserError("forward_backward got no datums")
+        if not forward_only:
+            self._claim(model_id, "forward_backward")
+        batch = self.datum_batch(datums, loss_fn)
+        policy = self.sess.groups["policy"]
+        if len(batch) < policy.world_size:
+            raise TinkerUserError(f"{len(batch)} datum(s) for {policy.world_size} policy ranks: send at least one "
+                                  "a rank")
+        t0 = time.perf_counter()
+        with self._phase("forward" if forward_only else "forward_backward"):
+            parts = policy.call_shards(PolicyWorker.tinker_forward_backward, batch, loss_fn, cfg, forward_only)
+        logprobs = [x.numpy() for p in parts for x in p["logprobs"]]
+        losses = [x.numpy() for p in parts for x in p["elementwise_loss"]]
+        total = sum(p["loss_sum"] for p in parts)
+        if not forward_only:
+            g = self.grads
+            g.owner, g.loss_sum, g.datums = model_id, g.loss_sum + total, g.datums + len(datums)
+            g.tokens += int(batch["input_mask_BT"].sum())
+            g.seconds += time.perf_counter() - t0
+            g.losses.add(loss_fn)
+        return encode_forward_backward({"logprobs": logprobs, "elementwise_loss": losses}, {"loss:sum": total})
+
+    def optim_step(self, model_id: str, adam: dict) -> dict:
+        self.model(model_id)
+        self._claim(model_id, "optim_step")
+        adam = {**ADAM_DEFAULTS, **{k: float(v) for k, v in (adam or {}).items() if k in ADAM_DEFAULTS}}
+        t0 = time.perf_counter()
+        with self._phase("optim_step", changes_state=True):
+            out = self.sess.groups["policy"].call(PolicyWorker.tinker_optim_step, adam)[0]
+            g, self.grads = self.grads, PendingGradients()
+            m = {"tinker/loss_sum": g.loss_sum, "tinker/datums": float(g.datums), "tinker/tokens": float(g.tokens),
+                 "actor/grad_norm": out["grad_norm"], "train/lr": adam["learning_rate"]}
+            self.sess.progress.trainer_steps["policy"] = out["adam_steps"]
+            m.update(self.sess.workers.sync(self.sess.step_count + 1))  # the engine samples what was trained
+            m["time/update_s"] = g.seconds + time.perf_counter() - t0
+            self._record(m)
+        return {"metrics": {"grad_norm": out["grad_norm"], "learning_rate": adam["learning_rate"]}}
+
+    def _record(self, m: dict) -> None:
+        """The optimizer step as one of the session's steps: the count moves, a metrics row, controller state."""
+        sess = self.sess
+        step = sess.progress.commit(None, int(m["tinker/datums"]))
+        sess.metrics.record_step(step, m)
+        sess.rundir.write_state(sess.controller_state())
+        sess.metrics.notify(m)
+
+    def _phase(self, what: str, changes_state: bool = False):
+        self.sess.lease.check(f"serve {what}")
+        return self.sess.guard.phase(f"serve {what}", changes_state)
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def save(self, model_id: str, name: str, kind: str) -> dict:
+        """save_state ("weights") and a named save_weights_for_sampler ("sampler_weights"): a checkpoint of the run
+        directory (sess.save: weights, optimizer, RNG, the session's own state), loadable by sess.load too."""
+        self.model(model_id)
+        if self.grads.owner is not None:
+            raise TinkerUserError("cannot save with gradients waiting for optim_step: a checkpoint holds weights and "
+                                  "optimizer state, not half a step. Call optim_step first")
+        self.sess.save(checkpoint_name(model_id, kind, name))
+        path = f"tinker://{model_id}/{kind}/{name}"
+        if kind == "sampler_weights":
+            self.samplers[path] = Sampler(path, self.model_name, self.policy_steps(), path)
+        return {"path": path, "type": "save_weights" if kind == "weights" else "save_weights_for_sampler"}
+
+    def load(self, model_id: str, path: str) -> dict:
+        """load_state / create_training_client_from_state: the session returns to that checkpoint (sess.load:
+        weights, optimizer state, and the session's step with them)."""
+        owner, kind, name = parse_path(path)
+        if kind != "weights":
+            raise TinkerUserError(f"'{path}' holds sampler weights; load_state takes a save_state path "
+                                  "(.../weights/...)")
+        ckpt = checkpoint_name(owner, kind, name)
+        if not (self.sess.run_dir / "checkpoints" / ckpt).exists():
+            raise TinkerUserError(f"no checkpoint for '{path}' in {self.sess.run_dir / 'checkpoints'} (this server "
+                                  "keeps save_state checkpoints in the served session's run directory)")
+        self.grads = PendingGradients()
+        self.sess.load(ckpt)
+        self.models.setdefault(model_id, TrainingModel(model_id, self.model_name, self.lora_rank))
+        return {"path": path, "model_id": model_id, "type": "load_weights"}
+
+    # ---- sampling -------------------------------------------------------------------------------
+    def sampler(self, sampler_id: str, model_path: str | None, base_model: str | None) -> Sampler:
+        """A sampling session on saved sampler weights (`model_path`), or on the weights the policy holds now."""
+        if model_path:
+            if model_path not in self.samplers:
+                parse_path(model_path)
+                raise TinkerUserError(f"no sampler weights '{model_path}' on this server: save_weights_for_sampler "
+                                      "first (sampler weights are served while they are the policy's latest)")
+            s = Sampler(sampler_id, self.model_name, self.samplers[model_path].weights, model_path)
+        else:
+            if not self.accepts(base_model):
+                raise TinkerUserError(f"this server samples '{self.model_name}', not '{base_model}'")
+            s = Sampler(sampler_id, self.model_name, self.policy_steps())
+        self.samplers[sampler_id] = s
+        return s
+
+    def sample(self, sampler_id: str, prompt: list[int], n: int, params: dict) -> bytes:
+        out = self.sample_many([(sampler_id, prompt, n, params)])[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def sample_many(self, requests: list[tuple]) -> list:
+        """Sample requests of one sampler and one set of sampling parameters (futures.py brings together those
+        that wait side by side): one engine call for all their prompts, left-padded to one width. Returns each
+        request's protobuf, or the error that refuses it alone."""
+        sampler_id, params = requests[0][0], requests[0][3]
+        s = self.samplers.get(sampler_id)
+        if s is None:
+            raise TinkerUserError(f"no sampling session '{sampler_id}' on this server (create a sampling client first)")
+        if s.weights != self.policy_steps():
+            raise TinkerUserError(
+                f"sampler {s.model_path or sampler_id} holds the weights after optimizer step {s.weights}, and the "
+                f"policy has taken {self.policy_steps()} since: the engine serves the latest weights only. Call "
+                "save_weights_and_get_sampling_client() again")
+        results: list = [None] * len(requests)
+        good = []
+        for i, (_, prompt, n, _) in enumerate(requests):
+            try:
+                self._check_prompt(prompt, n)
+                good.append(i)
+            except TinkerUserError as e:
+                results[i] = e
+        if not good:
+            return results
+        batch, rollout_params = self._prompt_batch([requests[i][1] for i in good], [requests[i][2] for i in good],
+                                                   params)
+        with self._phase("sample"):
+            self.sess.workers.catch_up(self.sess.step_count)
+            out = self.sess.groups["rollout"].call_split(RolloutWorker.generate, batch, rollout_params)
+        row = 0
+        for i in good:
+            n = requests[i][2]
+            sequences = [self._cut(out["response_ids_BR"][r], out["response_mask_BR"][r],
+                                   out["rollout_logprobs_BR"][r], params.get("stop")) for r in range(row, row + n)]
+            self.samples.append(self._sampled_batch(requests[i][1], sequences))
+            results[i] = encode_sample(sequences)
+            row += n
+        return results
+
+    def _check_prompt(self, prompt: list[int], n: int) -> None:
+        if not prompt or min(prompt) < 0 or max(prompt) >= self.vocab:
+            raise TinkerUserError(f"the prompt must be 1 or more token ids in 0..{self.vocab - 1}")
+        if not 1 <= n <= 4096:
+            raise TinkerUserError(f"num_samples={n}: ask for 1 to 4096")
+
+    def _prompt_batch(self, prompts: list[list[int]], counts: list[int], params: dict):
+        """Each prompt `counts[i]` times, left-padded (the engines' layout), and the sampling settings."""
+        r = self.sess.cfg.rollout
+        max_tokens = params.get("max_tokens") or r.max_new_tokens
+        if not 1 <= max_tokens <= 1 << 16:
+            raise TinkerUserError(f"max_tokens={max_tokens}: ask for 1 to 65536")
+        top_k = params.get("top_k", -1)
+        rollout_params = r.model_copy(update={"n": 1, "temperature": float(params.get("temperature", 1.0)),
+                                              "top_p": float(params.get("top_p", 1.0)),
+                                              "top_k": 0 if top_k is None or top_k < 0 else int(top_k),
+                                              "max_new_tokens": int(max_tokens)})
+        width = max(len(p) for p in prompts)
+        pad = self.sess.tokenizer.pad_token_id or 0
+        rows = [p for p, n in zip(prompts, counts) for _ in range(n)]
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
+        batch = Batch({"prompt_ids_BP": ids, "prompt_mask_BP": mask})
+        if params.get("seed") is not None:  # the engine draws from a generator seeded with it (determinism.py)
+            batch["sample_seed_B"] = torch.full((len(rows),), int(params["seed"]), dtype=torch.long)
+        return batch, rollout_params
+
+    def _cut(self, ids: torch.Tensor, mask: torch.Tensor, logprobs: torch.Tensor, stop) -> tuple:
+        """One sequence's tokens up to and including its first stop (token ids, or strings found in the decoded
+        text), its log-probs, and whether it stopped (a stop or EOS) rather than ran out of max_tokens."""
+        n = int(mask.sum())
+        tokens, lps = ids[:n].tolist(), logprobs[:n].tolist()
+        eos = self.sess.tokenizer.eos_token_id
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        for j in range(n):
+            if any(isinstance(s, int) and tokens[j] == s for s in stops) or (
+                    any(isinstance(s, str) for s in stops) and any(
+                        s in self.sess.tokenizer.decode(tokens[:j + 1]) for s in stops if isinstance(s, str))):
+                return tokens[:j + 1], lps[:j + 1], True
+        return tokens, lps, bool(tokens) and tokens[-1] == eos
+
+    def _sampled_batch(self, prompt: list[int], sequences: list[tuple]) -> Batch:
+        """What a client sampled as a Batch the inspector shows (sess.inspect(srv.samples[-1]))."""
+        width = max(len(t) for t, _, _ in sequences)
+        ids = torch.full((len(sequences), width), self.sess.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask, lps = torch.zeros_like(ids), torch.zeros(len(sequences), width)
+        for i, (t, lp, _) in enumerate(sequences):
+            ids[i, :len(t)], mask[i, :len(t)], lps[i, :len(t)] = torch.tensor(t), 1, torch.tensor(lp)
+        tok, n = self.sess.tokenizer, len(sequences)
+        prompt_ids = torch.tensor(prompt, dtype=torch.long).repeat(n, 1)
+        return Batch({"prompt_ids_BP": prompt_ids, "prompt_mask_BP": torch.ones_like(prompt_ids),
+                      "response_ids_BR": ids, "response_mask_BR": mask, "rollout_logprobs_BR": lps},
+                     {"prompt": [tok.decode(prompt)] * n, "response": [tok.decode(t) for t, _, _ in sequences]})
