@@ -65,7 +65,7 @@ def data_from(batch):
 
 def rl_step_sdk(sess, trainer, tok, rows, n, max_tokens):
     from tinker import types
-    sampler = trainer.save_weights_and_get_sampling_client()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=[tok.eos_token_id])
     prompts = [tok(r["prompt"])["input_ids"] for r in rows]
     futures = [sampler.sample(prompt=types.ModelInput.from_ints(p), num_samples=n, sampling_params=params)
@@ -99,11 +99,8 @@ def measure(name: str, reps: int) -> list[tuple]:
         sdk_data, wire_data = data_from(sess.rollout())
         cfg = {}
         zero = types.AdamParams(learning_rate=0.0)
-        sampler = trainer.save_weights_and_get_sampling_client()
         prompt = sess.tokenizer(sess.train_data.rows[0]["prompt"])["input_ids"]
         sp = types.SamplingParams(max_tokens=8, temperature=1.0)
-        sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=sp).result()
-        sampler_id = next(k for k in backend.samplers if ":sample:" in k)  # the session the SDK's sampler holds
         n = sess.cfg.rollout.n
         rows = []
         rows.append(("forward_backward", len(wire_data), *paired(
@@ -111,6 +108,9 @@ def measure(name: str, reps: int) -> list[tuple]:
             lambda: trainer.forward(sdk_data, "importance_sampling").result(), reps)))
         rows.append(("optim_step", 0, *paired(lambda: backend.optim_step(model_id, zero.model_dump()),
                                               lambda: trainer.optim_step(zero).result(), reps)))
+        sampler = trainer.save_weights_and_get_sampling_client().result()  # after the steps: their weights
+        sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=sp).result()
+        sampler_id = next(k for k in reversed(backend.samplers) if ":sample:" in k)  # the one the SDK's holds
         rows.append(("sample", n, *paired(
             lambda: backend.sample(sampler_id, prompt, n, {"max_tokens": 8}),
             lambda: sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=n,

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -36,7 +37,19 @@ def _serve(config, run_dir, overrides=()):
             if f"export {key}=" in line:
                 env[key] = line.split("=", 1)[1].strip()
     assert len(env) == 2, "rlbench-nb serve did not print its URL and key:\n" + "".join(lines)
+    # keep reading what it prints: a full pipe would stop the server mid-call
+    proc.reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    proc.reader.start()
+    proc.lines = lines
     return proc, env
+
+
+def _stop(proc) -> str:
+    """Ctrl-C to the server; what it printed."""
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    proc.reader.join(timeout=10)
+    return "".join(proc.lines)
 
 
 def test_the_cookbook_recipes_learn_against_a_served_session(tmp_path):
@@ -61,8 +74,7 @@ def test_the_cookbook_recipes_learn_against_a_served_session(tmp_path):
         first, last = sum(reward[:20]) / 20, sum(reward[-20:]) / 20
         assert len(reward) == RL_STEPS and last > first + 0.05, (first, last, reward)
     finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        out = _stop(proc)
     assert proc.returncode == 0, out[-2000:]
     # the server's side: each optimizer step is a metrics row of the served run; the recipes' saves are checkpoints
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -95,6 +107,5 @@ def test_the_cookbook_recipes_run_on_the_real_model_with_lora(real_assets, tmp_p
                          "lora_rank=16", "save_every=0", "max_tokens=48", "max_steps=2"])
         assert len(rl) == 2 and all(0 <= r["reward/total"] <= 1 for r in rl)
     finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
+        out = _stop(proc)
     assert proc.returncode == 0, out[-2000:]

@@ -172,9 +172,13 @@ class PolicyWorker(SnapshotHolder, ReferenceWorker):
         """The Tinker API's forward_backward on this rank's datums (roles/tinker_ops.py): gradients accumulate."""
         return tinker_ops.forward_backward(self, batch, loss_fn, loss_cfg, forward_only)
 
-    def tinker_optim_step(self, adam: dict) -> dict:
+    def tinker_optim_step(self, adam: dict, expect_gradients: bool) -> dict:
         """The Tinker API's optim_step: one AdamW step with the request's hyperparameters (roles/tinker_ops.py)."""
-        return tinker_ops.optim_step(self, adam)
+        return tinker_ops.optim_step(self, adam, expect_gradients)
+
+    def tinker_zero_grad(self) -> None:
+        """Drop a Tinker client's accumulated gradients (its forward_backward failed, or it went away)."""
+        tinker_ops.zero_grad(self)
 
     # ---- weights and state ----------------------------------------------------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:

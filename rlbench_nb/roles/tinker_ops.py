@@ -26,6 +26,15 @@ from .trainer import _check_finite_weights, adam_steps
 LOSS_INPUTS = {"weights": "weights_BT", "logprobs": "logprobs_BT", "advantages": "advantages_BT"}
 
 
+class GradientsDropped(RuntimeError):
+    """A Tinker training call failed, or found its gradients gone: what had accumulated since the last optim_step
+    was dropped (nothing was applied). The message says why and what to do."""
+
+
+class NonFiniteGradient(FloatingPointError):
+    """optim_step's accumulated gradient is not finite: the step was skipped, the weights are as they were."""
+
+
 def _datum_logprobs(worker, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     d = worker.device
     ids, mask = mb["input_ids_BT"].to(d), mb["input_mask_BT"].to(d)
@@ -47,7 +56,7 @@ def forward_backward(worker, batch: Batch, loss_fn: str, loss_cfg: dict, forward
     parts = [batch] if worker.sharded else batch.split(worker.cfg.train.micro_batch_size)
     logprobs, losses, total = [], [], 0.0
     try:
-        for mb in parts:
+        for mb in parts:  # a failure part-way drops every gradient since the last step: none is left half-added
             with torch.set_grad_enabled(not forward_only):
                 lp, mask = _datum_logprobs(worker, mb)
                 inputs = {k: mb[v].to(lp.device) for k, v in LOSS_INPUTS.items() if v in mb}
@@ -55,15 +64,18 @@ def forward_backward(worker, batch: Batch, loss_fn: str, loss_cfg: dict, forward
                 loss = elementwise.sum()
             if not forward_only:
                 if dist_util.all_reduce_sum(torch.tensor(0.0 if torch.isfinite(loss) else 1.0)) > 0:
-                    worker.optimizer.zero_grad(set_to_none=True)
-                    raise FloatingPointError(
+                    raise GradientsDropped(
                         f"the {loss_fn} loss is not finite on this batch (check its logprobs and advantages for "
                         "inf/NaN): nothing was applied, and the gradients accumulated since the last optim_step "
-                        "were dropped")
+                        "were dropped; send this step's data again")
                 (loss * world).backward()
             total += float(loss.detach())
             logprobs.append(lp.detach().float().cpu())
             losses.append(elementwise.detach().float().cpu())
+    except BaseException:
+        if not forward_only:
+            worker.optimizer.zero_grad(set_to_none=True)
+        raise
     finally:
         scorer.temperature, scorer.pack = saved
     lengths = batch["input_mask_BT"].sum(-1).tolist()
@@ -72,10 +84,19 @@ def forward_backward(worker, batch: Batch, loss_fn: str, loss_cfg: dict, forward
             "elementwise_loss": [el[:n] for (_, el), n in zip(rows, lengths)], "loss_sum": total}
 
 
-def optim_step(worker, adam: dict) -> dict:
+def zero_grad(worker) -> None:
+    worker.optimizer.zero_grad(set_to_none=True)
+
+
+def optim_step(worker, adam: dict, expect_gradients: bool) -> dict:
     """One AdamW step on the accumulated gradients with the request's learning rate, betas, eps and decoupled
     weight decay, clipped to `grad_clip_norm` when it is above 0; then the gradients are cleared. The optimizer's
-    own settings (the session's train.*) are put back afterwards: a Tinker client never changes the session's."""
+    own settings (the session's train.*) are put back afterwards: a Tinker client never changes the session's.
+    `expect_gradients`: a forward_backward came before; finding none means something cleared them."""
+    params = [p for p in worker.model.parameters() if p.requires_grad]
+    if expect_gradients and all(p.grad is None for p in params):
+        raise GradientsDropped("the gradients of this client's forward_backward are gone (a session phase cleared "
+                               "them: an update, a load, a restore): nothing was applied; send the step's data again")
     groups = worker.optimizer.param_groups
     saved = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in groups]
     for g in groups:
@@ -83,12 +104,11 @@ def optim_step(worker, adam: dict) -> dict:
                  weight_decay=adam["weight_decay"])
     try:
         clip = adam["grad_clip_norm"] if adam["grad_clip_norm"] > 0 else math.inf
-        params = [p for p in worker.model.parameters() if p.requires_grad]
         grad_norm = dist_util.local_scalar(torch.nn.utils.clip_grad_norm_(params, clip))
         if not math.isfinite(grad_norm):
             worker.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"the accumulated gradient's norm is {grad_norm}: the step was skipped and the "
-                                     "gradients dropped (a loss input with inf/NaN, or a learning rate too high)")
+            raise NonFiniteGradient(f"the accumulated gradient's norm is {grad_norm}: the step was skipped and the "
+                                    "gradients dropped (a loss input with inf/NaN, or a learning rate too high)")
         worker.optimizer.step()
         _check_finite_weights(worker.model, worker.optimizer, grad_norm)
         worker.optimizer.zero_grad(set_to_none=True)

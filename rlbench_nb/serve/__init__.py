@@ -6,7 +6,8 @@
     srv.close()
 
 Rooms: app.py (the HTTP routes), backend.py (what each call does to the session), futures.py (requests in
-order on one thread), wire.py (the SDK's protobuf). docs/tinker.md lists every endpoint and what it maps to.
+order on one thread), samples.py (sample requests' rows in, sequences out), wire.py (the SDK's protobuf).
+docs/tinker.md lists every endpoint and what it maps to.
 """
 from __future__ import annotations
 
@@ -56,6 +57,13 @@ class TinkerServer:
     def samples(self):
         """The batches clients sampled, newest last (the last 50): `sess.inspect(srv.samples[-1])`."""
         return list(self.backend.samples)
+
+    def drop_gradients(self) -> None:
+        """Drop the gradients a training client accumulated and did not apply (it went away mid-step): the other
+        clients may train again. In the request queue's order, after what was already sent."""
+        state, value = self.futures.wait(self.futures.submit(self.backend.drop_gradients), timeout=600) or ("", None)
+        if state == "error":
+            raise value
 
     def close(self) -> None:
         self._server.should_exit = True

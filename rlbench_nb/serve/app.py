@@ -8,15 +8,16 @@ SDK raises as `RequestFailedError`. Nothing a client sends stops the server.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
+import time
 import uuid
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..errors import RLBenchError
+from ..roles.tinker_ops import GradientsDropped
 from .backend import TinkerBackend, TinkerUserError
 from .futures import Batchable, Futures
 from .wire import WireError, read_forward_backward
@@ -27,7 +28,7 @@ POLL_S = 25.0              # retrieve_future holds a pending request this long (
 CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
                  "parallel_fwdbwd_chunks": False, "sample_use_retrieve_futures": False,
                  "custom_loss_server_side": False, "sample_join_sampling_session": False}
-USER_ERRORS = (TinkerUserError, WireError, RLBenchError, FloatingPointError, ValueError)
+USER_ERRORS = (TinkerUserError, WireError, RLBenchError, FloatingPointError, ValueError, GradientsDropped)
 
 
 router = APIRouter(prefix="/api/v1")
@@ -104,14 +105,18 @@ async def dynamic_config():
 
 @router.post("/create_session")
 async def create_session(request: Request):
-    b = _backend(request)
+    b, sid = _backend(request), f"sess-{uuid.uuid4().hex[:12]}"
+    b.seen[sid] = time.monotonic()
     kind = f"LoRA rank {b.lora_rank}" if b.lora_rank else "full weights (model.lora.r=0)"
-    return {"session_id": f"sess-{uuid.uuid4().hex[:12]}", "type": "create_session",
+    return {"session_id": sid, "type": "create_session",
             "info_message": f"rlbench-nb serves {b.model_name}, {kind}, run {b.sess.run_dir}"}
 
 
 @router.post("/session_heartbeat")
-async def heartbeat():
+async def heartbeat(request: Request):
+    sid = (await body(request)).get("session_id")
+    if isinstance(sid, str):
+        _backend(request).seen[sid] = time.monotonic()  # a client that stops beating lets go of its gradients
     return {"type": "session_heartbeat"}
 
 
@@ -121,7 +126,8 @@ async def telemetry():
 
 
 @router.post("/sessions/{session_id}/finish")
-async def finish(session_id: str):
+async def finish(request: Request, session_id: str):
+    _backend(request).seen[session_id] = 0.0  # finished: gradients it left are dropped at the next training call
     return {}
 
 
@@ -223,10 +229,13 @@ async def create_sampling_session(request: Request):
     data = await body(request)
     sid = need(data, "session_id", str)
     sampler_id = f"{sid}:sample:{data.get('sampling_session_seq_id', uuid.uuid4().hex[:8])}"
-    try:
-        _backend(request).sampler(sampler_id, data.get("model_path"), data.get("base_model"))
-    except TinkerUserError as e:
-        raise HTTPException(400, str(e)) from e
+    backend, futures = _backend(request), request.app.state.futures
+    # in the queue's order: a sampler made after an optim_step was sent samples the weights after it
+    rid = futures.submit(lambda: backend.sampler(sampler_id, data.get("model_path"), data.get("base_model")))
+    while (done := await futures.wait_async(rid, POLL_S)) is None:
+        pass
+    if done[0] == "error":
+        raise HTTPException(400, str(done[1]))
     return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
 
@@ -272,7 +281,7 @@ async def retrieve_future(request: Request):
     rid, futures = need(await body(request), "request_id", str), request.app.state.futures
     if not futures.known(rid):
         return {"error": f"no request '{rid}' on this server (a restarted server forgets them)", "category": "user"}
-    done = await asyncio.get_running_loop().run_in_executor(None, futures.wait, rid, POLL_S)
+    done = await futures.wait_async(rid, POLL_S)
     if done is None:
         return {"type": "try_again", "request_id": rid, "queue_state": "active"}
     state, value = done

@@ -22,11 +22,14 @@ from ..algos.tinker_losses import TINKER_LOSSES, LossInputError, loss_config
 from ..data.batch import Batch
 from ..roles.policy import PolicyWorker
 from ..roles.rollout.base import RolloutWorker
+from ..roles.tinker_ops import GradientsDropped, NonFiniteGradient
+from . import samples
 from .wire import Datum, encode_forward_backward, encode_sample
 
 ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
                  "grad_clip_norm": 0.0}
 INPUT_KEYS = {"weights": "weights_BT", "logprobs": "logprobs_BT", "advantages": "advantages_BT"}
+CLIENT_GONE_S = 60  # a client session silent this long (the SDK beats every 10 s) no longer holds the gradients
 
 
 class TinkerUserError(ValueError):
@@ -44,13 +47,14 @@ class TrainingModel:
 class Sampler:
     sampler_id: str
     base_model: str
-    weights: int            # the policy's optimizer steps when these weights were saved
+    weights: str            # the weights it samples: the session's weights epoch (guard.py) when it was made
     model_path: str | None = None
 
 
 @dataclass
 class PendingGradients:
     owner: str | None = None        # the training model whose forward_backward left gradients on the policy
+    epoch: str = ""                 # the weights they were computed on (guard.epoch): a phase changing them voids them
     loss_sum: float = 0.0
     datums: int = 0
     tokens: int = 0
@@ -79,6 +83,7 @@ class TinkerBackend:
         self.samplers: dict[str, Sampler] = {}
         self.grads = PendingGradients()
         self.samples: collections.deque[Batch] = collections.deque(maxlen=50)  # what clients sampled, newest last
+        self.seen: dict[str, float] = {}  # client session -> its last sign of life (monotonic; 0: it finished)
         cfg = sess.cfg
         self.lora_rank = cfg.model.lora.r or None
         self.model_name = cfg.model.path or "rlbench-nb/task"
@@ -125,16 +130,34 @@ class TinkerBackend:
             self.sess.tokenizer.save_pretrained(str(out))
         return str(out.resolve())
 
-    def policy_steps(self) -> int:
-        return int(self.sess.progress.trainer_steps.get("policy", 0))
-
     # ---- training -------------------------------------------------------------------------------
+    def alive(self, model_id: str) -> bool:
+        session = model_id.split(":train:")[0]
+        return time.monotonic() - self.seen.get(session, time.monotonic()) < CLIENT_GONE_S
+
+    def drop_gradients(self) -> None:
+        """Clear the policy's accumulated gradients and who held them (srv.drop_gradients())."""
+        with self._phase("drop gradients"):
+            self.sess.groups["policy"].call(PolicyWorker.tinker_zero_grad)
+            self.grads = PendingGradients()
+
     def _claim(self, model_id: str, what: str) -> None:
+        """Refuse a client's training call while another holds gradients; release a holder that went away, and
+        gradients that a session phase (an update, a load, a restore) voided since they were computed."""
+        g = self.grads
+        if g.owner is not None and (not self.alive(g.owner) or g.epoch != self.sess.guard.epoch):
+            stale, voided = g.owner, g.epoch != self.sess.guard.epoch
+            self.drop_gradients()
+            if stale == model_id and voided:
+                raise TinkerUserError(f"cannot {what}: a session phase changed the policy's weights since this "
+                                      "client's forward_backward (an update, a load, a restore), so its gradients "
+                                      "were dropped, nothing applied: send the step's data again")
         owner = self.grads.owner
         if owner is not None and owner != model_id:
             raise TinkerUserError(f"cannot {what} for '{model_id}': training client '{owner}' has gradients on this "
                                   "session's policy that its optim_step has not applied yet, and two clients' "
-                                  "gradients are never mixed into one step. Let it finish its step first")
+                                  "gradients are never mixed into one step. Let it finish its step first (or "
+                                  "srv.drop_gradients() in the notebook)")
 
     def datum_batch(self, datums: list[Datum], loss_fn: str) -> Batch:
         needs = TINKER_LOSSES[loss_fn][0]
@@ -182,13 +205,19 @@ class TinkerBackend:
                                   "a rank")
         t0 = time.perf_counter()
         with self._phase("forward" if forward_only else "forward_backward"):
-            parts = policy.call_shards(PolicyWorker.tinker_forward_backward, batch, loss_fn, cfg, forward_only)
+            try:
+                parts = policy.call_shards(PolicyWorker.tinker_forward_backward, batch, loss_fn, cfg, forward_only)
+            except BaseException:  # the workers dropped every gradient since the last step (roles/tinker_ops.py)
+                if not forward_only:
+                    self.grads = PendingGradients()
+                raise
         logprobs = [x.numpy() for p in parts for x in p["logprobs"]]
         losses = [x.numpy() for p in parts for x in p["elementwise_loss"]]
         total = sum(p["loss_sum"] for p in parts)
         if not forward_only:
             g = self.grads
-            g.owner, g.loss_sum, g.datums = model_id, g.loss_sum + total, g.datums + len(datums)
+            g.owner, g.epoch = model_id, self.sess.guard.epoch
+            g.loss_sum, g.datums = g.loss_sum + total, g.datums + len(datums)
             g.tokens += int(batch["input_mask_BT"].sum())
             g.seconds += time.perf_counter() - t0
             g.losses.add(loss_fn)
@@ -200,19 +229,27 @@ class TinkerBackend:
         adam = {**ADAM_DEFAULTS, **{k: float(v) for k, v in (adam or {}).items() if k in ADAM_DEFAULTS}}
         t0 = time.perf_counter()
         with self._phase("optim_step", changes_state=True):
-            out = self.sess.groups["policy"].call(PolicyWorker.tinker_optim_step, adam)[0]
             g, self.grads = self.grads, PendingGradients()
+            try:
+                out = self.sess.groups["policy"].call(PolicyWorker.tinker_optim_step, adam, g.datums > 0)[0]
+            except BaseException as e:  # as Session.update: a step that may have moved some weights needs a resync
+                if not _caused_by(e, (NonFiniteGradient, GradientsDropped)):
+                    self.sess.state = "needs_resync"
+                raise
             m = {"tinker/loss_sum": g.loss_sum, "tinker/datums": float(g.datums), "tinker/tokens": float(g.tokens),
                  "actor/grad_norm": out["grad_norm"], "train/lr": adam["learning_rate"]}
             self.sess.progress.trainer_steps["policy"] = out["adam_steps"]
-            m.update(self.sess.workers.sync(self.sess.step_count + 1))  # the engine samples what was trained
-            m["time/update_s"] = g.seconds + time.perf_counter() - t0
-            self._record(m)
+            try:  # a push that fails still counts the step (workers.push_failed: the next rollout pushes first)
+                m.update(self.sess.workers.sync(self.sess.step_count + 1))  # the engine samples what was trained
+            finally:
+                m["time/update_s"] = g.seconds + time.perf_counter() - t0
+                self._record(m)
         return {"metrics": {"grad_norm": out["grad_norm"], "learning_rate": adam["learning_rate"]}}
 
     def _record(self, m: dict) -> None:
         """The optimizer step as one of the session's steps: the count moves, a metrics row, controller state."""
         sess = self.sess
+        sess.lease.renew()  # first: a session taken over mid-step writes nothing more
         step = sess.progress.commit(None, int(m["tinker/datums"]))
         sess.metrics.record_step(step, m)
         sess.rundir.write_state(sess.controller_state())
@@ -233,7 +270,7 @@ class TinkerBackend:
         self.sess.save(checkpoint_name(model_id, kind, name))
         path = f"tinker://{model_id}/{kind}/{name}"
         if kind == "sampler_weights":
-            self.samplers[path] = Sampler(path, self.model_name, self.policy_steps(), path)
+            self.samplers[path] = Sampler(path, self.model_name, self.sess.guard.epoch, path)
         return {"path": path, "type": "save_weights" if kind == "weights" else "save_weights_for_sampler"}
 
     def load(self, model_id: str, path: str) -> dict:
@@ -247,8 +284,7 @@ class TinkerBackend:
         if not (self.sess.run_dir / "checkpoints" / ckpt).exists():
             raise TinkerUserError(f"no checkpoint for '{path}' in {self.sess.run_dir / 'checkpoints'} (this server "
                                   "keeps save_state checkpoints in the served session's run directory)")
-        self.grads = PendingGradients()
-        self.sess.load(ckpt)
+        self.sess.load(ckpt)  # a new weights epoch: gradients computed before it are void (_claim drops them)
         self.models.setdefault(model_id, TrainingModel(model_id, self.model_name, self.lora_rank))
         return {"path": path, "model_id": model_id, "type": "load_weights"}
 
@@ -264,7 +300,7 @@ class TinkerBackend:
         else:
             if not self.accepts(base_model):
                 raise TinkerUserError(f"this server samples '{self.model_name}', not '{base_model}'")
-            s = Sampler(sampler_id, self.model_name, self.policy_steps())
+            s = Sampler(sampler_id, self.model_name, self.sess.guard.epoch)
         self.samplers[sampler_id] = s
         return s
 
@@ -282,11 +318,11 @@ class TinkerBackend:
         s = self.samplers.get(sampler_id)
         if s is None:
             raise TinkerUserError(f"no sampling session '{sampler_id}' on this server (create a sampling client first)")
-        if s.weights != self.policy_steps():
+        if s.weights != self.sess.guard.epoch:
             raise TinkerUserError(
-                f"sampler {s.model_path or sampler_id} holds the weights after optimizer step {s.weights}, and the "
-                f"policy has taken {self.policy_steps()} since: the engine serves the latest weights only. Call "
-                "save_weights_and_get_sampling_client() again")
+                f"sampler {s.model_path or sampler_id} was made on weights the policy has moved past since (an "
+                "optim_step, or a session phase: an update, a load, a restore): the engines serve the latest weights "
+                "only. Call save_weights_and_get_sampling_client() again")
         results: list = [None] * len(requests)
         good = []
         for i, (_, prompt, n, _) in enumerate(requests):
@@ -297,17 +333,18 @@ class TinkerBackend:
                 results[i] = e
         if not good:
             return results
-        batch, rollout_params = self._prompt_batch([requests[i][1] for i in good], [requests[i][2] for i in good],
-                                                   params)
+        prompts, counts = [requests[i][1] for i in good], [requests[i][2] for i in good]
+        batch, rollout_params = samples.prompt_batch(prompts, counts, params, self.sess.cfg.rollout,
+                                                     self.sess.tokenizer)
         with self._phase("sample"):
             self.sess.workers.catch_up(self.sess.step_count)
             out = self.sess.groups["rollout"].call_split(RolloutWorker.generate, batch, rollout_params)
         row = 0
         for i in good:
             n = requests[i][2]
-            sequences = [self._cut(out["response_ids_BR"][r], out["response_mask_BR"][r],
+            sequences = [samples.cut(self.sess.tokenizer, out["response_ids_BR"][r], out["response_mask_BR"][r],
                                    out["rollout_logprobs_BR"][r], params.get("stop")) for r in range(row, row + n)]
-            self.samples.append(self._sampled_batch(requests[i][1], sequences))
+            self.samples.append(samples.sampled_batch(self.sess.tokenizer, requests[i][1], sequences))
             results[i] = encode_sample(sequences)
             row += n
         return results
@@ -318,50 +355,11 @@ class TinkerBackend:
         if not 1 <= n <= 4096:
             raise TinkerUserError(f"num_samples={n}: ask for 1 to 4096")
 
-    def _prompt_batch(self, prompts: list[list[int]], counts: list[int], params: dict):
-        """Each prompt `counts[i]` times, left-padded (the engines' layout), and the sampling settings."""
-        r = self.sess.cfg.rollout
-        max_tokens = params.get("max_tokens") or r.max_new_tokens
-        if not 1 <= max_tokens <= 1 << 16:
-            raise TinkerUserError(f"max_tokens={max_tokens}: ask for 1 to 65536")
-        top_k = params.get("top_k", -1)
-        rollout_params = r.model_copy(update={"n": 1, "temperature": float(params.get("temperature", 1.0)),
-                                              "top_p": float(params.get("top_p", 1.0)),
-                                              "top_k": 0 if top_k is None or top_k < 0 else int(top_k),
-                                              "max_new_tokens": int(max_tokens)})
-        width = max(len(p) for p in prompts)
-        pad = self.sess.tokenizer.pad_token_id or 0
-        rows = [p for p, n in zip(prompts, counts) for _ in range(n)]
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows], dtype=torch.long)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
-        batch = Batch({"prompt_ids_BP": ids, "prompt_mask_BP": mask})
-        if params.get("seed") is not None:  # the engine draws from a generator seeded with it (determinism.py)
-            batch["sample_seed_B"] = torch.full((len(rows),), int(params["seed"]), dtype=torch.long)
-        return batch, rollout_params
 
-    def _cut(self, ids: torch.Tensor, mask: torch.Tensor, logprobs: torch.Tensor, stop) -> tuple:
-        """One sequence's tokens up to and including its first stop (token ids, or strings found in the decoded
-        text), its log-probs, and whether it stopped (a stop or EOS) rather than ran out of max_tokens."""
-        n = int(mask.sum())
-        tokens, lps = ids[:n].tolist(), logprobs[:n].tolist()
-        eos = self.sess.tokenizer.eos_token_id
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        for j in range(n):
-            if any(isinstance(s, int) and tokens[j] == s for s in stops) or (
-                    any(isinstance(s, str) for s in stops) and any(
-                        s in self.sess.tokenizer.decode(tokens[:j + 1]) for s in stops if isinstance(s, str))):
-                return tokens[:j + 1], lps[:j + 1], True
-        return tokens, lps, bool(tokens) and tokens[-1] == eos
-
-    def _sampled_batch(self, prompt: list[int], sequences: list[tuple]) -> Batch:
-        """What a client sampled as a Batch the inspector shows (sess.inspect(srv.samples[-1]))."""
-        width = max(len(t) for t, _, _ in sequences)
-        ids = torch.full((len(sequences), width), self.sess.tokenizer.pad_token_id or 0, dtype=torch.long)
-        mask, lps = torch.zeros_like(ids), torch.zeros(len(sequences), width)
-        for i, (t, lp, _) in enumerate(sequences):
-            ids[i, :len(t)], mask[i, :len(t)], lps[i, :len(t)] = torch.tensor(t), 1, torch.tensor(lp)
-        tok, n = self.sess.tokenizer, len(sequences)
-        prompt_ids = torch.tensor(prompt, dtype=torch.long).repeat(n, 1)
-        return Batch({"prompt_ids_BP": prompt_ids, "prompt_mask_BP": torch.ones_like(prompt_ids),
-                      "response_ids_BR": ids, "response_mask_BR": mask, "rollout_logprobs_BR": lps},
-                     {"prompt": [tok.decode(prompt)] * n, "response": [tok.decode(t) for t, _, _ in sequences]})
+def _caused_by(e: BaseException, kinds: tuple) -> bool:
+    """`e` or an error it was raised from is one of `kinds` (a worker's error arrives wrapped under Ray)."""
+    while e is not None:
+        if isinstance(e, kinds):
+            return True
+        e = e.__cause__ or e.__context__
+    return False

@@ -40,6 +40,7 @@ class Futures:
         self._done: collections.OrderedDict[str, tuple] = collections.OrderedDict()
         self._known: dict[Hashable, str] = {}
         self._pending: set[str] = set()
+        self._waiters: dict[str, list] = {}  # request id -> (event loop, asyncio.Event) of retrieve calls waiting
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._work, name="tinker-futures", daemon=True)
@@ -86,13 +87,15 @@ class Futures:
                 else:
                     results = [("error", r) if isinstance(r, Exception) else ("ok", r)
                                for r in jobs[0][2].run_many([b.item for _, _, b in jobs])]
-            except Exception as e:  # the client gets it as its request's failure; the server goes on
+            except BaseException as e:  # the client gets it as its request's failure; the server goes on
                 log.info("tinker request %s failed: %s", jobs[0][0], e)
                 results = [("error", e)] * len(jobs)
             with self._cond:
                 for (rid, _, _), result in zip(jobs, results):
                     self._pending.discard(rid)
                     self._done[rid] = result
+                    for loop, event in self._waiters.pop(rid, []):
+                        loop.call_soon_threadsafe(event.set)
                 while len(self._done) > KEPT:
                     self._done.popitem(last=False)
                 self._cond.notify_all()
@@ -105,6 +108,25 @@ class Futures:
         """The finished request's ("ok", value) or ("error", exception); None when it is still running."""
         with self._cond:
             self._cond.wait_for(lambda: rid in self._done, timeout)
+            return self._done.get(rid)
+
+    async def wait_async(self, rid: str, timeout: float) -> tuple | None:
+        """`wait` for an event loop: no thread is held while the request runs (a client may poll hundreds)."""
+        import asyncio
+        event = asyncio.Event()
+        with self._cond:
+            if rid in self._done:
+                return self._done[rid]
+            self._waiters.setdefault(rid, []).append((asyncio.get_running_loop(), event))
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        with self._cond:
+            waiting = self._waiters.get(rid, [])
+            self._waiters[rid] = [w for w in waiting if w[1] is not event]
+            if not self._waiters[rid]:
+                self._waiters.pop(rid)
             return self._done.get(rid)
 
     def close(self) -> None:

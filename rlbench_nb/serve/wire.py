@@ -86,7 +86,12 @@ def read_forward_backward(body: bytes) -> tuple[list[Datum], dict]:
         config[k] = v.number if v.WhichOneof("value") == "number" else v.text
     header = {"model_id": msg.model_id, "seq_id": msg.seq_id, "loss_fn": msg.loss_fn, "loss_fn_config": config,
               "forward_only": msg.forward_only}
-    return [_datum(d, i) for i, d in enumerate(msg.data)], header
+    try:
+        return [_datum(d, i) for i, d in enumerate(msg.data)], header
+    except WireError:
+        raise
+    except (ValueError, IndexError) as e:  # buffers of a length or index the declared dtype and shape cannot hold
+        raise WireError(f"a datum's tensors do not fit their declared dtype and shape ({e})") from e
 
 
 def _batched(arrays: list[np.ndarray], pb):

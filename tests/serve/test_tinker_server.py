@@ -106,7 +106,7 @@ def test_an_optimizer_step_is_a_session_step_the_dashboard_sees(served, trainer)
 
 def test_sampling_honours_stop_tokens_and_returns_per_token_log_probs(served, trainer):
     sess, srv, client, model = served
-    sampler = trainer.save_weights_and_get_sampling_client()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints(sess.tokenizer("What is 3 + 1?")["input_ids"])
     vocab = list(range(len(sess.tokenizer)))
     res = sampler.sample(prompt=prompt, num_samples=4, sampling_params=types.SamplingParams(
@@ -124,7 +124,7 @@ def test_sampling_honours_stop_tokens_and_returns_per_token_log_probs(served, tr
 
 def test_a_sampler_whose_weights_moved_on_is_refused_not_served_stale(served, trainer):
     sess, srv, client, model = served
-    sampler = trainer.save_weights_and_get_sampling_client()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     tokens = sess.tokenizer("What is 0 + 2? \\boxed{2}")["input_ids"]
     trainer.forward_backward([_datum(tokens, weights=[1.0] * (len(tokens) - 1))], "cross_entropy").result()
     trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
@@ -200,7 +200,7 @@ def test_two_clients_gradients_never_meet_in_one_step(served, trainer):
 def test_the_samplers_log_probs_are_the_trainers_on_the_same_tokens(served, trainer):
     """rl_loop's importance ratio is exp(trainer - sampler): on the weights it sampled with, it must be 1."""
     sess, srv, client, model = served
-    sampler = trainer.save_weights_and_get_sampling_client()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     prompt = sess.tokenizer("What is 2 + 1?")["input_ids"]
     seqs = sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=3,
                           sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0)).result().sequences
@@ -225,7 +225,7 @@ def test_a_custom_loss_runs_through_the_sdks_two_calls_and_trains(served, traine
 
     def doubled_nll(data, logprobs_list):
         loss = -2 * sum(lp.sum() for lp in logprobs_list)
-        return loss, {"doubled:sum": float(loss)}
+        return loss, {"doubled:sum": float(loss.detach())}
     out = trainer.forward_backward_custom([datum], doubled_nll).result()
     assert out.metrics["loss:sum"] == pytest.approx(2 * nll, rel=1e-5)
     trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
@@ -244,3 +244,33 @@ def test_sample_requests_done_together_give_what_each_gives_alone(served, traine
     assert [[s.tokens for s in seqs] for seqs in together] == [[s.tokens for s in seqs] for seqs in alone]
     for seqs, ref in zip(together, alone):  # padding changes the matmuls' shapes: the last bits may differ
         assert [s.logprobs for s in seqs] == [pytest.approx(r.logprobs, abs=1e-5) for r in ref]
+
+
+def test_a_session_phase_between_forward_backward_and_optim_step_voids_the_gradients_loudly(served, trainer):
+    """A notebook's sess.step() between a client's two calls clears and moves what its gradients were for: the
+    client's optim_step is refused (nothing applied, no session step recorded), and its next try trains."""
+    sess, srv, client, model = served
+    tokens = sess.tokenizer("What is 2 + 0? \\boxed{2}")["input_ids"]
+    datum = _datum(tokens, weights=[1.0] * (len(tokens) - 1))
+    trainer.forward_backward([datum], "cross_entropy").result()
+    sess.step()
+    steps = sess.step_count
+    with pytest.raises(tinker.RequestFailedError, match="changed the policy's weights since this client's"):
+        trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    assert sess.step_count == steps and sess.state == "ready"
+    trainer.forward_backward([datum], "cross_entropy").result()
+    trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    assert sess.step_count == steps + 1
+
+
+def test_drop_gradients_frees_the_policy_from_a_client_that_went_away(served, trainer):
+    sess, srv, client, model = served
+    gone = client.create_lora_training_client(base_model=str(model), rank=32).result()
+    tokens = sess.tokenizer("What is 3 + 0? \\boxed{3}")["input_ids"]
+    datum = _datum(tokens, weights=[1.0] * (len(tokens) - 1))
+    gone.forward_backward([datum], "cross_entropy").result()   # ... and never steps
+    with pytest.raises(tinker.RequestFailedError, match="srv.drop_gradients"):
+        trainer.forward_backward([datum], "cross_entropy").result()
+    srv.drop_gradients()
+    trainer.forward_backward([datum], "cross_entropy").result()
+    trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
