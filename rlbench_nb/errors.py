@@ -49,12 +49,18 @@ class RunDirError(RLBenchError, OSError):
     """A file of the run directory could not be written (no space, no permission): what and why."""
 
 
+def root_cause(error: BaseException) -> BaseException:
+    """The error a chain of re-raises started from (a worker's error arrives wrapped, `raise ... from cause`)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
 def disk_full(error: BaseException, where: Path) -> bool:
     """The file system refused bytes: no space (ENOSPC), over a size limit (EFBIG, EDQUOT) — said so by the
     error or its text (a worker's error under Ray carries only the text) — or any write error while the
     disk is all but full (torch.save's own wordings: "file write failed", "unexpected pos ...")."""
-    while error.__cause__ is not None:  # a worker's error, re-raised from its cause: judge the cause
-        error = error.__cause__
+    error = root_cause(error)  # a worker's error, re-raised from its cause: judge the cause
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         return True
     if isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):

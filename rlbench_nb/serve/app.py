@@ -301,8 +301,8 @@ async def delete_checkpoint(run_id: str, checkpoint_id: str):
 
 @router.get("/training_runs/{run_id:path}")
 async def training_run(request: Request, run_id: str):
-    m = _backend(request).models.get(run_id)
-    if m is None:
+    b = _backend(request)
+    if run_id not in b.models:
         raise HTTPException(404, f"no training run '{run_id}'")
-    return {"training_run_id": run_id, "base_model": m.base_model, "model_owner": "rlbench-nb",
-            "is_lora": bool(m.lora_rank), "lora_rank": m.lora_rank, "last_request_time": "1970-01-01T00:00:00Z"}
+    return {"training_run_id": run_id, "base_model": b.model_name, "model_owner": "rlbench-nb",
+            "is_lora": bool(b.lora_rank), "lora_rank": b.lora_rank, "last_request_time": "1970-01-01T00:00:00Z"}

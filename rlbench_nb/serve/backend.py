@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ import torch
 
 from ..algos.tinker_losses import TINKER_LOSSES, LossInputError, loss_config
 from ..data.batch import Batch
+from ..errors import root_cause
 from ..roles.policy import PolicyWorker
 from ..roles.rollout.base import RolloutWorker
 from ..roles.tinker_ops import GradientsDropped, NonFiniteGradient
@@ -34,13 +35,6 @@ CLIENT_GONE_S = 60  # a client session silent this long (the SDK beats every 10 
 
 class TinkerUserError(ValueError):
     """A request this server refuses: the SDK raises it as RequestFailedError (category user) with this message."""
-
-
-@dataclass
-class TrainingModel:
-    model_id: str
-    base_model: str
-    lora_rank: int | None
 
 
 @dataclass
@@ -59,7 +53,6 @@ class PendingGradients:
     datums: int = 0
     tokens: int = 0
     seconds: float = 0.0
-    losses: set = field(default_factory=set)
 
 
 def checkpoint_name(model_id: str, kind: str, name: str) -> str:
@@ -79,7 +72,7 @@ def parse_path(path: str) -> tuple[str, str, str]:
 class TinkerBackend:
     def __init__(self, sess):
         self.sess = sess
-        self.models: dict[str, TrainingModel] = {}
+        self.models: set[str] = set()  # the training clients' model ids: each trains the session's one policy
         self.samplers: dict[str, Sampler] = {}
         self.grads = PendingGradients()
         self.samples: collections.deque[Batch] = collections.deque(maxlen=50)  # what clients sampled, newest last
@@ -88,6 +81,7 @@ class TinkerBackend:
         self.lora_rank = cfg.model.lora.r or None
         self.model_name = cfg.model.path or "rlbench-nb/task"
         self.vocab = len(sess.tokenizer)
+        self.tokenizer_id = _tokenizer_folder(sess)  # once: get_info answers on the event loop
 
     # ---- models ---------------------------------------------------------------------------------
     def accepts(self, base_model: str | None) -> bool:
@@ -105,30 +99,19 @@ class TinkerBackend:
             raise TinkerUserError(f"this session trains LoRA adapters of rank {self.lora_rank} (model.lora.r), not "
                                   f"{lora_rank}: ask for rank={self.lora_rank}, or serve a session with "
                                   f"model.lora.r={lora_rank}")
-        self.models[model_id] = TrainingModel(model_id, self.model_name, self.lora_rank)
+        self.models.add(model_id)
         return {"model_id": model_id, "type": "create_model"}
 
-    def model(self, model_id: str) -> TrainingModel:
+    def model(self, model_id: str) -> None:
         if model_id not in self.models:
             raise TinkerUserError(f"no training model '{model_id}' on this server (create_lora_training_client "
                                   f"first; a server restart forgets its clients: create them again)")
-        return self.models[model_id]
 
     def info(self, model_id: str) -> dict:
-        m = self.model(model_id)
-        arch = (self.sess.cfg.model.path and "hf") or "llama"
-        return {"model_id": model_id, "type": "get_info", "model_name": m.base_model, "is_lora": bool(m.lora_rank),
-                "lora_rank": m.lora_rank, "model_data": {"arch": arch, "model_name": m.base_model,
-                                                         "tokenizer_id": self.tokenizer_dir()}}
-
-    def tokenizer_dir(self) -> str:
-        """A folder AutoTokenizer loads: the model's own, or the run directory's copy (built-in task models)."""
-        if self.sess.cfg.model.path and Path(self.sess.cfg.model.path).is_dir():
-            return str(Path(self.sess.cfg.model.path).resolve())
-        out = self.sess.run_dir / "tokenizer"
-        if not out.exists():
-            self.sess.tokenizer.save_pretrained(str(out))
-        return str(out.resolve())
+        self.model(model_id)
+        return {"model_id": model_id, "type": "get_info", "model_name": self.model_name,
+                "is_lora": bool(self.lora_rank), "lora_rank": self.lora_rank,
+                "model_data": {"model_name": self.model_name, "tokenizer_id": self.tokenizer_id}}
 
     # ---- training -------------------------------------------------------------------------------
     def alive(self, model_id: str) -> bool:
@@ -220,7 +203,6 @@ class TinkerBackend:
             g.loss_sum, g.datums = g.loss_sum + total, g.datums + len(datums)
             g.tokens += int(batch["input_mask_BT"].sum())
             g.seconds += time.perf_counter() - t0
-            g.losses.add(loss_fn)
         return encode_forward_backward({"logprobs": logprobs, "elementwise_loss": losses}, {"loss:sum": total})
 
     def optim_step(self, model_id: str, adam: dict) -> dict:
@@ -233,7 +215,7 @@ class TinkerBackend:
             try:
                 out = self.sess.groups["policy"].call(PolicyWorker.tinker_optim_step, adam, g.datums > 0)[0]
             except BaseException as e:  # as Session.update: a step that may have moved some weights needs a resync
-                if not _caused_by(e, (NonFiniteGradient, GradientsDropped)):
+                if not isinstance(root_cause(e), (NonFiniteGradient, GradientsDropped)):
                     self.sess.state = "needs_resync"
                 raise
             m = {"tinker/loss_sum": g.loss_sum, "tinker/datums": float(g.datums), "tinker/tokens": float(g.tokens),
@@ -285,7 +267,7 @@ class TinkerBackend:
             raise TinkerUserError(f"no checkpoint for '{path}' in {self.sess.run_dir / 'checkpoints'} (this server "
                                   "keeps save_state checkpoints in the served session's run directory)")
         self.sess.load(ckpt)  # a new weights epoch: gradients computed before it are void (_claim drops them)
-        self.models.setdefault(model_id, TrainingModel(model_id, self.model_name, self.lora_rank))
+        self.models.add(model_id)
         return {"path": path, "model_id": model_id, "type": "load_weights"}
 
     # ---- sampling -------------------------------------------------------------------------------
@@ -356,10 +338,13 @@ class TinkerBackend:
             raise TinkerUserError(f"num_samples={n}: ask for 1 to 4096")
 
 
-def _caused_by(e: BaseException, kinds: tuple) -> bool:
-    """`e` or an error it was raised from is one of `kinds` (a worker's error arrives wrapped under Ray)."""
-    while e is not None:
-        if isinstance(e, kinds):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+
+def _tokenizer_folder(sess) -> str:
+    """A folder AutoTokenizer loads (get_info's tokenizer_id): the model's own, or the run directory's copy
+    (the built-in task's model, a GGUF file)."""
+    if sess.cfg.model.path and Path(sess.cfg.model.path).is_dir():
+        return str(Path(sess.cfg.model.path).resolve())
+    out = sess.run_dir / "tokenizer"
+    if not out.exists():
+        sess.tokenizer.save_pretrained(str(out))
+    return str(out.resolve())
