@@ -7,14 +7,20 @@ Each measure runs in a fresh Python process (imports included, as a new kernel o
 - `embedded`: `rl.Session(cfg)` with `cluster.backend=ray` and no address (Ray started by the session) until
   the first rollout is back: split into imports, `Session()` (Ray start, actors, models) and the rollout;
 - `attach`: on a running Ray head, a controller with detached actors takes a step and is killed (SIGKILL);
-  a new process runs `rl.Session.attach(name)` and one `step()`: split into imports, attach, the step.
+  a new process runs `rl.Session.attach(name)` and one `step()`: split into imports, attach, the step;
+- `warm`: on the warm cluster of `rlbench-nb up` (cluster/warm.py), a new process's `rl.Session(cfg)` with no
+  address (it joins that cluster and takes warm processes) until the first rollout is back: a new kernel's start.
 The tiny config of the vs-TRL work (8 prompts x 8 samples, <= 8 new tokens), one thread per actor.
 
 Beside each, its **floor**, measured the same way in the same run: what any program must pay to reach the same
 point with the same processes and nothing of ours in between —
 - embedded: the imports, an embedded `ray.init`, and one bare actor per role of the session (policy, rollout,
   reward) that imports torch and transformers, builds the same model and runs one forward, all side by side;
-- attach: the imports, `ray.init(address=...)` to the running head, and one call on an actor already there.
+- attach: the imports, `ray.init(address=...)` to the running head, and one call on an actor already there;
+- warm: that attach floor on the warm cluster, and a controller floor: the same plus what any controller that holds
+  tensors and tokenises prompts imports and loads (torch, and the task's tokenizer by its class).
+Every child, the floors' too, first puts off rfc3987_syntax's import as rlbench_nb.cluster does (fast_imports.py:
+~2.5 s of `import ray` here otherwise), so a floor is not slower by what ours saves with a trick anyone could use.
 The ratio (ours / floor) is what carries from one machine to another; absolute seconds do not.
 """
 from __future__ import annotations
@@ -37,6 +43,8 @@ TINY = ["data.batch_size=8", "rollout.n=8", "rollout.max_new_tokens=8", "run.sav
 CHILD = r'''
 import json, sys, time
 t0 = time.perf_counter()
+from rlbench_nb.fast_imports import defer_rfc3987_syntax
+defer_rfc3987_syntax()  # what rlbench_nb.cluster does before ray is imported: the floors get it too
 import transformers
 import rlbench_nb as rl
 transformers.logging.disable_progress_bar()
@@ -80,9 +88,13 @@ elif mode == "floor-embedded":  # the embedded start with nothing of ours: Ray, 
     t3 = time.perf_counter()
     json.dump({"imports_s": t1 - t0, "session_s": t2 - t1, "work_s": t3 - t2}, open(out, "w"))
     ray.shutdown()
-elif mode == "floor-attach":  # connect to the head and make one call on an actor that is already there
+elif mode in ("floor-attach", "floor-controller"):  # connect to the head, one call on an actor already there
     import os
     os.environ.setdefault("RAY_AUTH_MODE", "token")  # the head wants its token, as rlbench_nb.cluster sets
+    if mode == "floor-controller":  # and what a controller needs besides: torch, the task's tokenizer (its class
+        import torch  # noqa: F401   # named, as a controller that knows it loads it: not through AutoTokenizer)
+        getattr(transformers, sys.argv[6]).from_pretrained(sys.argv[5])
+        t1 = time.perf_counter()
     import ray
     ray.init(address=sys.argv[4], namespace="startup-floor", log_to_driver=False)
     t2 = time.perf_counter()
@@ -140,6 +152,33 @@ def attach(root: Path, rep: int, address: str) -> dict:
     return child(["attach", name, address], root / f"attach-{rep}.json")
 
 
+def warm(root: Path, reps: int, tokenizer: tuple[str, str]) -> list[dict]:
+    """`rlbench-nb up`, then per rep: a new process's `Session()` (no address) to its first rollout, and the
+    floors beside it on the same cluster. Before each rep the keeper's spares are back and ready (`up` again)."""
+    cli = os.path.join(os.path.dirname(sys.executable), "rlbench-nb")
+    os.environ["RLBENCH_NB_HOME"] = str(root / "w")  # this cluster's record; the children inherit it
+    rows = []
+    try:
+        subprocess.run([cli, "up", "--warm", "3", "--refill-after", "0", "--idle-timeout", "0"], check=True,
+                       capture_output=True, timeout=600)
+        address = json.loads((root / "w" / "cluster.json").read_text())["address"]
+        child(["resident", "startup-resident", address], root / "warm-resident.json")
+        for rep in range(reps):
+            time.sleep(3)  # the keeper's tick: replacements for the last rep's processes are asked for
+            up = subprocess.run([cli, "up"], check=True, capture_output=True, text=True, timeout=600)
+            # the floors first, on a quiet cluster: after ours the keeper's replacements import torch beside them
+            rows.append({"what": "warm: attach floor",
+                         **child(["floor-attach", "startup-resident", address], root / f"floor-w-{rep}.json")})
+            rows.append({"what": "warm: controller floor", **child(["floor-controller", "startup-resident", address,
+                                                                    *tokenizer], root / f"floor-c-{rep}.json")})
+            rows.append({"what": "warm", **child(["embedded", *TINY, f"run.dir={root / f'warm-{rep}'}"],
+                                                 root / f"warm-{rep}.json"), "up": up.stdout})
+    finally:
+        subprocess.run([cli, "down"], capture_output=True, timeout=120)
+        os.environ.pop("RLBENCH_NB_HOME")
+    return rows
+
+
 def ray_head() -> tuple[subprocess.Popen, str]:
     """A Ray head of its own (`ray start --block` in a new process group: stopping it stops no other cluster
     on the machine, as `ray stop` would)."""
@@ -171,38 +210,62 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
+    parts = ["embedded", "attach", "warm"]
+    ap.add_argument("--parts", nargs="+", default=parts, choices=parts, help="which measures (default: all)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="startup_"))
     # embedded first, with no other Ray cluster on the machine (a user's case): a second cluster beside it
     # slows an embedded start by ~6 s here (its ray.init waits twice as long for its raylet and API server)
     rows = []
-    for rep in range(args.reps):  # ours and its floor alternate: a slow minute of the machine hits both
-        rows.append({"what": "embedded", **embedded(root, rep)})
+    for rep in range(args.reps if "embedded" in args.parts else 0):  # ours and its floor alternate: a slow
+        rows.append({"what": "embedded", **embedded(root, rep)})     # minute of the machine hits both
         rows.append({"what": "embedded floor", **child(["floor-embedded", *TINY], root / f"floor-e-{rep}.json")})
+    if "attach" in args.parts:
+        rows += attach_on_a_head(root, args.reps)
+    if "warm" in args.parts:
+        import rlbench_nb as rl
+        from rlbench_nb.data.tasks import load_task
+        from rlbench_nb.prompts import load_tokenizer
+        model_dir = str(load_task(rl.Config.load(None, TINY)).model_dir)
+        rows += warm(root, args.reps, (model_dir, type(load_tokenizer(model_dir)).__name__))
+    table(rows, args.reps)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def attach_on_a_head(root: Path, reps: int) -> list[dict]:
+    rows = []
     head, address = ray_head()
     try:
         child(["resident", "startup-resident", address], root / "resident.json")
-        for rep in range(args.reps):
+        for rep in range(reps):
             rows.append({"what": "attach", **attach(root, rep, address)})
             rows.append({"what": "attach floor",
                          **child(["floor-attach", "startup-resident", address], root / f"floor-a-{rep}.json")})
     finally:
         os.killpg(head.pid, signal.SIGTERM)  # the head this started, and only it
         head.wait(timeout=60)
-    print(f"\nstart-up, median of {args.reps} (fresh processes; tiny config, Ray, one thread per actor; {machine()})")
-    print(f"{'what':<15} {'imports s':>9} {'session s':>9} {'work s':>7} {'total s':>8} {'x floor':>8}   "
-          "session = Session() / attach / the floor's ray.init; work = first rollout / first step / the floor's call")
-    kinds = ("embedded", "embedded floor", "attach", "attach floor")
+    return rows
+
+
+def table(rows: list[dict], reps: int) -> None:
+    print(f"\nstart-up, median of {reps} (fresh processes; tiny config, Ray, one thread per actor; {machine()})")
+    print(f"{'what':<22} {'imports s':>9} {'session s':>9} {'work s':>7} {'total s':>8} {'x floor':>8}   "
+          "session = Session() / attach / the floor's ray.init; work = first rollout / first step / the floor's call;"
+          " warm: x its attach floor / x its controller floor")
+    kinds = [w for w in ("embedded", "embedded floor", "attach", "attach floor", "warm", "warm: attach floor",
+                         "warm: controller floor") if any(r["what"] == w for r in rows)]
     med = {w: {k: statistics.median(r[k] for r in rows if r["what"] == w) for k in ("imports_s", "session_s", "work_s")}
            for w in kinds}
     total = {w: statistics.median(r["imports_s"] + r["session_s"] + r["work_s"] for r in rows if r["what"] == w)
              for w in kinds}
     for w in kinds:
-        ratio = "" if w.endswith("floor") else f"{total[w] / total[w + ' floor']:.2f}"
-        print(f"{w:<15} {med[w]['imports_s']:>9.1f} {med[w]['session_s']:>9.1f} {med[w]['work_s']:>7.2f} "
-              f"{total[w]:>8.1f} {ratio:>8}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        floor = {"warm": "warm: attach floor"}.get(w, w + " floor")
+        ratio = "" if w.endswith("floor") else f"{total[w] / total[floor]:.2f}"
+        if w == "warm":
+            ratio += f" / {total[w] / total['warm: controller floor']:.2f}"
+        print(f"{w:<22} {med[w]['imports_s']:>9.1f} {med[w]['session_s']:>9.1f} {med[w]['work_s']:>7.2f} "
+              f"{total[w]:>8.1f} {ratio:>11}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@
     rlbench-nb data gsm8k Downloads/gsm8k -o data/gsm8k       # a published dataset -> prompt files (or: math)
     rlbench-nb doctor configs/arith_grpo.yaml                # certify a session before a long run (exit 1: a failure)
     rlbench-nb serve configs/arith_grpo.yaml --port 8000     # the Tinker API over a session (docs/tinker.md)
+    rlbench-nb up                                            # a warm cluster that outlives kernels (docs/ray.md)
+    rlbench-nb down                                          # stops it
 """
 from __future__ import annotations
 
@@ -229,11 +231,46 @@ def serve(argv: list[str]) -> int:
     return 0
 
 
+def up(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="rlbench-nb up", description="Start a warm cluster on this machine: a Ray head "
+                                "and role processes with torch and transformers imported, which outlive kernels. A "
+                                "Session() with cluster.backend=ray and no address joins it and takes warm processes "
+                                "(docs/ray.md). Already up: says what it holds.")
+    p.add_argument("--cpus", type=int, default=0, help="CPUs the cluster may use (default: all of this machine's)")
+    p.add_argument("--warm", type=int, default=4, help="warm processes kept spare (default 4: policy, rollout, "
+                   "reward, reference)")
+    p.add_argument("--idle-timeout", type=float, default=30.0, metavar="MIN",
+                   help="stop after this many minutes with no session connected (0: never; default 30)")
+    p.add_argument("--refill-after", type=float, default=30.0, metavar="S",
+                   help="seconds after a session takes warm processes before replacements start (default 30)")
+    args = p.parse_args(argv)
+    from .cluster import warm
+    st = warm.up(args.cpus, args.warm, args.idle_timeout * 60, args.refill_after)
+    rss = [w["rss_gb"] for w in st["warm"] if "rss_gb" in w]
+    each = f", {sum(rss) / len(rss):.2f} GB resident each" if rss else ""
+    stops = (f"stops after {st['idle_timeout_s'] / 60:g} minutes with no session connected, or `rlbench-nb down`"
+             if st["idle_timeout_s"] else "stops with `rlbench-nb down`")
+    pids = f" (pids {', '.join(str(w['pid']) for w in st['warm'])})" if st["warm"] else ""
+    print(f"warm cluster at {st['address']} (head pid {st['head_pid']})\n  spare processes: {st['spare']} of "
+          f"{st['spare_target']}{pids}{each}\n  runs on it: {', '.join(st['runs']) or 'none'}\n  {stops}", flush=True)
+    return 0
+
+
+def down(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="rlbench-nb down", description="Stop the warm cluster of `rlbench-nb up`: its "
+                                "head, its warm processes and every run's actors on it (run directories stay).")
+    p.parse_args(argv)
+    from .cluster import warm
+    stopped = warm.down()
+    print(f"stopped the warm cluster at {stopped['address']}" if stopped else "no warm cluster is up", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     commands = {"train": train, "export": export, "report": report, "weights": weights, "kernel": kernel, "data": data,
-                "doctor": doctor, "serve": serve}
+                "doctor": doctor, "serve": serve, "up": up, "down": down}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         return 0 if not argv or argv[0] in ("-h", "--help") else 2

@@ -20,29 +20,45 @@ TOKENIZER_CLASS_FILE = "tokenizer_class.json"  # in a run directory: the class A
 
 def load_tokenizer(model_dir: str, run_dir: str | Path | None = None):
     """AutoTokenizer's tokenizer for `model_dir`. To choose the class, AutoTokenizer imports transformers' model
-    modules (~1.4 s: the largest part of re-attaching a controller, whose processes never load a model); a run
-    directory remembers the class it chose (`remember_tokenizer`), loaded directly the next time for the same
-    folder, configs and transformers version."""
+    modules (~1.4-3 s: the largest part of re-attaching a controller, whose processes never load a model, and of a
+    new kernel's start on a warm cluster); the run directory and the cache remember the class it chose
+    (`remember_tokenizer`), loaded directly the next time for the same folder, configs and transformers version."""
     import transformers
-    seen = {}
-    if run_dir is not None:
-        try:
-            seen = json.loads((Path(run_dir) / TOKENIZER_CLASS_FILE).read_text())
-        except (OSError, ValueError):
-            pass
     key = _tokenizer_key(model_dir)
-    if {k: seen.get(k) for k in key} == key:
+    for seen in (_read_json(Path(run_dir) / TOKENIZER_CLASS_FILE) if run_dir is not None else {},
+                 _read_json(_cached_choice(model_dir))):
         cls = getattr(transformers, str(seen.get("class")), None)
-        if cls is not None:
+        if {k: seen.get(k) for k in key} == key and cls is not None:
             return cls.from_pretrained(str(model_dir))
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def remember_tokenizer(run_dir: str | Path, tokenizer, model_dir: str) -> None:
-    """What `load_tokenizer` reads back: the tokenizer's class, and what AutoTokenizer chose it from."""
+    """What `load_tokenizer` reads back: the tokenizer's class, and what AutoTokenizer chose it from; in the run
+    directory, and in the cache for a new run on the same folder (best effort: a read-only cache costs ~2 s)."""
     from .rundir import write_json
-    write_json(Path(run_dir) / TOKENIZER_CLASS_FILE, {"class": type(tokenizer).__name__, **_tokenizer_key(model_dir)})
+    choice = {"class": type(tokenizer).__name__, **_tokenizer_key(model_dir)}
+    write_json(Path(run_dir) / TOKENIZER_CLASS_FILE, choice)
+    try:
+        _cached_choice(model_dir).parent.mkdir(parents=True, exist_ok=True)
+        write_json(_cached_choice(model_dir), choice)
+    except OSError:
+        pass
+
+
+def _cached_choice(model_dir: str) -> Path:
+    import hashlib
+
+    from .data.tasks.warm_start import cache_root
+    return cache_root() / "tokenizer-classes" / f"{hashlib.sha256(str(model_dir).encode()).hexdigest()[:16]}.json"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _tokenizer_key(model_dir: str) -> dict:

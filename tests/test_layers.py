@@ -208,7 +208,8 @@ def test_no_new_function_over_60_lines_and_no_new_module_over_400():
 # What starts a stack of its own (pyproject.toml's `integration` marker): a test that does is in the second stage
 # (or the slow one), so the default run stays in this process and its subprocesses (the façade issue: ≤ 10 min).
 STACK_STARTERS = re.compile(r'importorskip\("(ray|vllm)"\)|\bRayHead\(|\bNotebookClient\b|\bplaywright\b|'
-                            r'\bray\.init\(|\bexecute\(|\breal_assets\b|\bray_cluster\b|\bray_head\b|"cluster\.backend=ray"')
+                            r'\bray\.init\(|\bexecute\(|\breal_assets\b|\bray_cluster\b|\bray_head\b|'
+                            r'"cluster\.backend=ray"|\bwarm\.up\(|"up", "-{2}warm"')
 
 
 def _marks(node) -> str:

@@ -322,14 +322,15 @@ def test_a_run_remembers_its_tokenizer_class_and_model_positions_load_without_mo
                                                                                                monkeypatch):
     """A re-attaching controller loads no model: it reads the model's positions from config.json and its
     tokenizer by the class AutoTokenizer chose for the run (both would otherwise import transformers' model
-    modules, ~3 s of its start). The same tokenizer either way; AutoTokenizer again when the folder, its
+    modules, ~3 s of its start); a new run on the same folder, by the class the cache remembers. The same
+    tokenizer either way; AutoTokenizer again when the folder, its
     configs or the transformers version differ; AutoConfig when config.json does not name
     max_position_embeddings (GPT-2: n_positions)."""
     import transformers
     from transformers import AutoTokenizer, GPT2Config
 
     from rlbench_nb.data.tasks import Task
-    from rlbench_nb.prompts import TOKENIZER_CLASS_FILE, load_tokenizer
+    from rlbench_nb.prompts import TOKENIZER_CLASS_FILE, _cached_choice, load_tokenizer
     sess = rl.Session(small_cfg())
     run_dir, model_dir, auto = sess.run_dir, str(sess.task.model_dir), sess.tokenizer
     assert sess.task.max_positions == transformers.AutoConfig.from_pretrained(model_dir).max_position_embeddings
@@ -347,8 +348,11 @@ def test_a_run_remembers_its_tokenizer_class_and_model_positions_load_without_mo
     assert direct.get_vocab() == auto.get_vocab() and direct.all_special_ids == auto.all_special_ids
     assert (direct.pad_token_id, direct.eos_token_id, direct.padding_side) == (auto.pad_token_id, auto.eos_token_id,
                                                                               auto.padding_side)
+    new_run = load_tokenizer(model_dir, tmp_path / "a-new-run")  # a new run on the same folder: the cache's entry
+    assert type(new_run) is type(auto) and new_run.encode(text) == auto.encode(text)
     for changed in ({"transformers": "0.0.1"}, {"model_dir": str(tmp_path)}, {"configs": "edited since"}):
-        (run_dir / TOKENIZER_CLASS_FILE).write_text(json.dumps({**remembered, **changed}))
+        for where in (run_dir / TOKENIZER_CLASS_FILE, _cached_choice(model_dir)):
+            where.write_text(json.dumps({**remembered, **changed}))
         with pytest.raises(AssertionError, match="AutoTokenizer was used"):
             load_tokenizer(model_dir, run_dir)
     gpt2 = tmp_path / "gpt2"

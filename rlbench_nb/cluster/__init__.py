@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from ..fast_imports import defer_rfc3987_syntax
 from .base import CallRecord, Pending, WorkerGroup
 from .errors import ClusterError, WorkerDiedError, WorkerError
 from .local import LocalWorkerGroup
@@ -19,6 +20,9 @@ TRAINER_ROLES = ("policy", "reference", "critic")
 # settings are fixed by then, and a later mismatch breaks even an embedded cluster ("Failed to start GCS").
 if os.path.exists(os.path.expanduser("~/.ray/auth_token")) and "ray" not in sys.modules:
     os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
+defer_rfc3987_syntax()  # before anything here imports ray (fast_imports.py)
 
 
 def in_process(cfg) -> bool:

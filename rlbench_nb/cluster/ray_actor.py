@@ -18,29 +18,57 @@ class Stashed:
     """A result kept in the producing actor for a role hosted in the same process (`rollout.colocate`)."""
 
 
+def _preload() -> None:
+    """What building a role's worker imports before its first line runs, paid by a warm process before a session
+    takes it: transformers' auto classes (most of its import) and the model code of the architectures this
+    project ships and tests (Llama, Qwen2)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    from transformers.models.llama import modeling_llama  # noqa: F401
+    from transformers.models.qwen2 import modeling_qwen2  # noqa: F401
+
+
 class WorkerActor:
     """Hosts one rank of one role, and of any role colocated with it (`rollout.colocate`: the rollout
     engine in the policy's processes). Plain class; `ray.remote` is applied in RayWorkerGroup."""
 
-    def __init__(self, role: str, rank: int, world: int, seed: int, num_threads: int, deterministic: bool,
-                 pool: str = "default", device: str = "auto"):
-        import torch
+    def __init__(self, role: str | None = None, rank: int = 0, world: int = 1, seed: int = 0, num_threads: int = 0,
+                 deterministic: bool = False, pool: str = "default", device: str = "auto"):
+        """With `role`, this rank of it; without, a warm process (warm.py): the imports and nothing else, until a
+        session takes it and calls `become`."""
+        import torch  # noqa: F401 - the imports are most of a new process's start: paid here, once
         import transformers
 
-        from ..determinism import configure_process
-        from ..roles.common import prefer_device
-        prefer_device(device, pool)  # before any worker picks its device
-        self.pool = pool
+        from .. import roles  # noqa: F401 - every role's module (a warm process builds any of them fast)
         transformers.logging.disable_progress_bar()  # one bar per actor per load is noise in a notebook
-        self.role, self.rank, self.world = role, rank, world
-        configure_process(num_threads, deterministic)
-        torch.manual_seed(seed + rank)
-        import random
-        random.seed(seed + rank)
         self.workers: dict[str, Any] = {}  # role -> worker object; the actor's own role first
         self._shm: SharedMemoryWriter | None = None  # weights pushed to a consumer on this node
         self._stash: Any = None  # weights handed to a colocated role without leaving the process
         self.meta: dict = {}  # what a controller attaching later needs to find (e.g. the run directory)
+        self.role, self.rank, self.world, self.pool = role, rank, world, pool
+        if role is not None:
+            self.become(role, rank, world, seed, num_threads, deterministic, pool, device)
+        else:
+            _preload()
+
+    def become(self, role: str, rank: int, world: int, seed: int, num_threads: int, deterministic: bool,
+               pool: str = "default", device: str = "auto") -> None:
+        """Take this rank's place: device, threads and seeds, as a process started for it would."""
+        import random
+
+        import torch
+
+        from ..determinism import configure_process
+        from ..roles.common import prefer_device
+        prefer_device(device, pool)  # before any worker picks its device
+        self.role, self.rank, self.world, self.pool = role, rank, world, pool
+        configure_process(num_threads, deterministic)
+        torch.manual_seed(seed + rank)
+        random.seed(seed + rank)
+
+    def warm_status(self) -> dict:
+        """pid and memory of a warm process (what `rlbench-nb up` reports it holds)."""
+        from ..metrics.memory import memory_snapshot
+        return {"pid": os.getpid(), **memory_snapshot()}
 
     def set_meta(self, meta: dict) -> None:
         self.meta = dict(meta)

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from ..data.batch import Batch
+from . import warm
 from .base import CallRecord, Method, Pending, by_reference
 from .errors import OOM_KNOBS, ClusterError, WorkerDiedError, WorkerError, is_out_of_memory
 from .pools import placement
@@ -42,9 +43,6 @@ class RayWorkerGroup:
         instead of actors of its own: `rollout.colocate`, the rollout engine next to the policy.
         `wait=False`: return once the actors are asked to start; `ready()` waits for their workers (so a
         session's roles import and load side by side)."""
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         c = cfg.cluster
         self.role, self.world_size, self.cfg = role, world_size, cfg
         self.timeout = c.call_timeout_s
@@ -53,6 +51,7 @@ class RayWorkerGroup:
         self.info: dict[int, dict] = {}  # rank -> pid, node, device
         self.host = host
         self._setups: list = []  # the ranks' setup calls until ready() has their answers
+        self.warm_names: list[str] = []  # warm processes this group took (warm.py): given back to the keeper on close
         if host is not None:
             if host.world_size != world_size:
                 raise ClusterError(f"role '{role}' ({world_size} ranks) cannot live in the '{host.role}' "
@@ -64,7 +63,28 @@ class RayWorkerGroup:
                 self.ready()
             return
         where = placement(cfg, role)  # pools.py: the role's pool, what one worker reserves, node labels
-        bundle = where.bundle
+        self.warm_names = [f"{c.namespace}/{name}/{role}/{rank}" for rank in range(world_size)]
+        self.actors = warm.take(self.warm_names, c.detached) if warm.fits(where) else None
+        if self.actors is not None:  # processes of `rlbench-nb up`, imports done: they take this role's ranks
+            self.pg = None
+            for rank, a in enumerate(self.actors):
+                a.become.remote(role, rank, world_size, cfg.run.seed, c.num_threads, cfg.run.deterministic,
+                                where.pool, where.device)
+        else:
+            self.warm_names = []
+            self._start_actors(cfg, role, world_size, name, where)
+        # rank 0's address goes to every rank by reference: Ray hands it over when it is ready, no wait here
+        master = self.actors[0].address.remote() if world_size > 1 else None
+        self._setups = [a.setup.remote(master, worker_cls, args, {}) for a in self.actors]
+        if wait:
+            self.ready()
+
+    def _start_actors(self, cfg, role: str, world_size: int, name: str, where) -> None:
+        """One new actor per rank, named '<name>/<role>/<rank>', in a placement group of the role's pool."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        c, bundle = cfg.cluster, where.bundle
         self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK",
                                   name=f"{name}/{role}", lifetime="detached" if c.detached else None,
                                   bundle_label_selector=[dict(where.labels)] * world_size if where.labels else None)
@@ -86,11 +106,6 @@ class RayWorkerGroup:
             ).remote(role, rank, world_size, cfg.run.seed, c.num_threads, cfg.run.deterministic, where.pool,
                      where.device)
             for rank in range(world_size)]
-        # rank 0's address goes to every rank by reference: Ray hands it over when it is ready, no wait here
-        master = self.actors[0].address.remote() if world_size > 1 else None
-        self._setups = [a.setup.remote(master, worker_cls, args, {}) for a in self.actors]
-        if wait:
-            self.ready()
 
     def ready(self) -> RayWorkerGroup:
         """Wait until every rank's worker is built (its imports, model, process group)."""
@@ -108,18 +123,22 @@ class RayWorkerGroup:
         self = cls.__new__(cls)
         self.role, self.world_size, self.cfg, self.host = role, world_size, cfg, host
         self.timeout = cfg.cluster.call_timeout_s
-        self.records, self.memory, self._setups = [], {}, []
+        self.records, self.memory, self._setups, self.warm_names = [], {}, [], []
         if host is not None:
             self.actors, self.pg = host.actors, None
         else:
+            ns = cfg.cluster.namespace
             try:
-                self.actors = [ray.get_actor(f"{name}/{role}/{rank}", namespace=cfg.cluster.namespace)
-                               for rank in range(world_size)]
-                self.pg = ray.util.get_placement_group(f"{name}/{role}")
+                self.actors = [warm.named_actor(f"{name}/{role}/{rank}", ns) for rank in range(world_size)]
             except ValueError:
                 raise ClusterError(f"no live actors named '{name}/{role}/*' in Ray namespace "
                                    f"'{cfg.cluster.namespace}': the run was closed, or its actors were not "
                                    "detached (cluster.detached: true)") from None
+            try:  # none when the ranks are warm processes (they were placed when `rlbench-nb up` started them)
+                self.pg = ray.util.get_placement_group(f"{name}/{role}")
+                self.warm_names = []
+            except ValueError:
+                self.pg, self.warm_names = None, [f"{ns}/{name}/{role}/{rank}" for rank in range(world_size)]
         self.info = dict(enumerate(self._get([a.info.remote(role) for a in self.actors], "info")))
         return self
 
@@ -302,6 +321,8 @@ class RayWorkerGroup:
             except Exception:
                 pass
         self.actors = []
+        if self.warm_names:
+            warm.release(self.warm_names)
         try:
             ray.util.remove_placement_group(self.pg)
         except Exception:

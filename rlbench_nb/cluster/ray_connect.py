@@ -24,7 +24,7 @@ def attach(cfg) -> dict:
     t0 = time.time()
     # no address: the cluster a `ray job submit` driver runs in (RAY_ADDRESS), else an embedded one: never a
     # `ray start` cluster that happens to run on this machine (ray.init() alone would join the newest one)
-    address = c.address or os.environ.get("RAY_ADDRESS") or None
+    address = c.address or os.environ.get("RAY_ADDRESS") or _warm_address()
     if address and address != "auto":
         _check_reachable(address)  # ray.init itself retries for many minutes on a dead address
     try:
@@ -44,10 +44,25 @@ def attach(cfg) -> dict:
     return ray.cluster_resources()
 
 
+def _warm_address() -> str | None:
+    """The head `rlbench-nb up` started on this machine (warm.py), when it answers."""
+    from .warm import running
+    record = running()
+    if record is not None:
+        import logging
+        logging.getLogger(__name__).info("joining the warm cluster at %s (rlbench-nb up)", record["address"])
+    return record and record["address"]
+
+
 def find_run(name: str, address: str | None, namespace: str) -> dict:
-    """The meta a detached run's policy rank 0 keeps (its run directory), connecting to `address` first."""
+    """The meta a detached run's policy rank 0 keeps (its run directory), connecting to `address` first
+    ("auto": the warm cluster of `rlbench-nb up` when there is one, else Ray's own choice)."""
     import ray
+
+    from .warm import named_actor
     if not ray.is_initialized():
+        if address == "auto":
+            address = _warm_address() or address
         if address and address != "auto":
             _check_reachable(address)
         try:
@@ -55,7 +70,7 @@ def find_run(name: str, address: str | None, namespace: str) -> dict:
         except (ConnectionError, RuntimeError) as e:
             raise ClusterError(f"could not reach the Ray cluster at {address!r}: {str(e).splitlines()[0]}") from None
     try:
-        policy0 = ray.get_actor(f"{name}/policy/0", namespace=namespace)
+        policy0 = named_actor(f"{name}/policy/0", namespace)
     except ValueError:
         live = sorted({a["name"].split("/")[0] for a in ray.util.list_named_actors(True)
                        if a["namespace"] == namespace})
