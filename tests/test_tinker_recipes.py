@@ -81,9 +81,12 @@ def test_the_cookbook_recipes_learn_against_a_served_session(tmp_path):
     finally:
         out = _stop(proc)
     assert proc.returncode == 0, out[-2000:]
-    # the server's side: each optimizer step is a metrics row of the served run; the recipes' saves are checkpoints
+    # the server's side: each optimizer step is a metrics row of the served run; the recipes' saves are checkpoints.
+    # rl_loop skips the optimizer on a step whose groups all tie (every advantage zero: more of them as it learns);
+    # a step it trained carries the optim_step's own metrics (grad_norm)
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert len(rows) >= SL_STEPS + RL_STEPS - 5
+    trained = sum("grad_norm" in r for r in rl)
+    assert RL_STEPS // 2 < trained <= RL_STEPS and len(rows) == SL_STEPS + trained, (len(rows), trained)
     saved = {p.name for p in (tmp_path / "run" / "checkpoints").iterdir()}
     assert any(n.endswith("weights-000100") for n in saved) and any(n.endswith("sampler_weights-final") for n in saved)
     assert os.path.exists(tmp_path / "sl" / "checkpoints.jsonl")
