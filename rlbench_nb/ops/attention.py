@@ -52,24 +52,30 @@ def small_or_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: t
 
 
 def _plain(module, query, key, value, attention_mask, scale: float, dropout: float, causal: bool) -> torch.Tensor:
-    from transformers.integrations.sdpa_attention import repeat_kv
-    Lq, Lk = query.shape[2], key.shape[2]
-    groups = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    B, H, Lq, D = query.shape
+    KVH, Lk = key.shape[1], key.shape[2]
+    G = H // KVH
+    # grouped-query attention without repeating the cache: the G query heads of a KV head (heads kv*G .. kv*G+G-1,
+    # as transformers' repeat_kv orders them) become G x Lq query rows of that head. repeat_kv copied every layer's
+    # whole K and V cache on every call: 39% of a decode step of SmolLM2-135M (9 heads on 3) at 16 rows x 290 keys
+    q = query.reshape(B, KVH, G * Lq, D)
+    scores = torch.matmul(q, key.transpose(2, 3)).mul_(scale).view(B, KVH, G, Lq, Lk)
     if attention_mask is None and Lq > 1 and causal:
         # sdpa_mask leaves a call unmasked when it is plainly causal with as many queries as keys: SDPA's is_causal,
         # whose mask this is (query i sees keys 0..i, for any shape)
         attention_mask = torch.ones(Lq, Lk, dtype=torch.bool, device=query.device).tril()
     if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        # [b, 1 or H, Lq, Lk] (or [Lq, Lk]) -> broadcastable to the scores' [B, KVH, G, Lq, Lk]
+        mask = attention_mask if attention_mask.dim() == 4 else attention_mask[None, None]
+        mask = mask.unsqueeze(2) if mask.shape[1] == 1 else mask.reshape(mask.shape[0], KVH, G, Lq, Lk)
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         else:  # an additive float mask
-            scores = scores + attention_mask.to(scores.dtype)
-    probs = torch.softmax(scores, dim=-1)
+            scores = scores + mask.to(scores.dtype)
+    probs = torch.softmax(scores, dim=-1).view(B, KVH, G * Lq, Lk)
     if dropout > 0 and module.training:
         probs = torch.nn.functional.dropout(probs, p=dropout)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous()
+    return torch.matmul(probs, value).view(B, H, Lq, D).transpose(1, 2).contiguous()
 
 
 def register() -> None:

@@ -49,6 +49,10 @@ CASES = {  # name: (B, H, Lq, Lk, kv heads, mask maker)
     "responses on a prompt's cache": (4, 2, 3, 8, None, lambda: _left_padded_mask(4, 3, 8, [1, 0, 0, 2])),
     "plainly causal (no mask)": (2, 2, 5, 5, None, lambda: None),
     "grouped-query heads": (2, 4, 5, 5, 2, lambda: _left_padded_mask(2, 5, 5, [0, 1])),
+    # (the plain path never repeats K and V: it folds each KV head's query heads into rows; SmolLM2's 9 on 3)
+    "grouped-query decode step, left padding": (3, 6, 1, 7, 2, lambda: _left_padded_mask(3, 1, 7, [0, 2, 1])),
+    "grouped-query responses on a cache": (4, 9, 3, 8, 3, lambda: _left_padded_mask(4, 3, 8, [1, 0, 0, 2])),
+    "grouped-query, plainly causal (no mask)": (2, 4, 5, 5, 1, lambda: None),
     "an additive float mask": (3, 2, 6, 6, None, lambda: torch.zeros(3, 1, 6, 6, dtype=torch.float64).masked_fill(
         ~_left_padded_mask(3, 6, 6, [0, 2, 1]), torch.finfo(torch.float64).min)),
     "bidirectional (an encoder's layer), no mask": (2, 2, 5, 5, None, lambda: None),

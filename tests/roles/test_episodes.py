@@ -12,6 +12,7 @@ from rlbench_nb.config import Config
 from rlbench_nb.envs import ToolEnv, calculator
 from rlbench_nb.roles.rollout.episodes import run_episodes
 from rlbench_nb.roles.rollout.hf_engine import HFRolloutWorker
+from rlbench_nb.roles.rollout.sampling import sample_next
 
 PROMPTS = {"12+3=": "15", "40+2=": "42", "7+18=": "25"}
 
@@ -51,7 +52,7 @@ def _run(taught, envs, rows, max_new_tokens=24, timeout_s=5.0):
     p = Config.load(None, ["rollout.temperature=0", f"rollout.max_new_tokens={max_new_tokens}"]).rollout
     pool = concurrent.futures.ThreadPoolExecutor(4)
     try:
-        return run_episodes(model, tok, envs, rows, p, HFRolloutWorker._sample, pool, timeout_s)
+        return run_episodes(model, tok, envs, rows, p, sample_next, pool, timeout_s)
     finally:
         pool.shutdown(wait=False)  # a hung step's thread finishes on its own
 

@@ -13,6 +13,9 @@ from ...data.batch import Batch
 from ...determinism import sampling_generator
 from ..common import load_causal_lm, load_weights, pick_device
 from .base import RolloutWorker
+from .kv_cache import reserved_cache
+from .sampling import sample_next
+from .skinny_linear import use_skinny_linears
 
 
 class HFRolloutWorker(RolloutWorker):
@@ -23,6 +26,8 @@ class HFRolloutWorker(RolloutWorker):
         self.model = load_causal_lm(model_dir, cfg.model.dtype, self.device, cfg.model.attention)
         self.model.requires_grad_(False)
         self.model.eval()
+        if self.device.type == "cpu":
+            use_skinny_linears(self.model)
         self.eos, self.pad = eos_token_id, pad_token_id
         self.weight_version = 0
 
@@ -48,7 +53,6 @@ class HFRolloutWorker(RolloutWorker):
         generating cost: HF `generate` keeps decoding finished rows until the longest one stops (68% of its
         decode slots at 64 tokens in benchmarks/rollout_throughput.py) and pays a set-up cost per call that
         dominates small models."""
-        from transformers import DynamicCache
         ids = batch["prompt_ids_BP"].to(self.device)
         attn = batch["prompt_mask_BP"].to(self.device)
         B, R = ids.shape[0], p.max_new_tokens
@@ -60,14 +64,14 @@ class HFRolloutWorker(RolloutWorker):
         # the n samples of a prompt share its prefill: run it once per distinct prompt, then repeat the cache
         distinct, copy_of = torch.unique(torch.cat([ids, attn], dim=1), dim=0, return_inverse=True)
         first_ids, first_attn = distinct[:, :ids.shape[1]], distinct[:, ids.shape[1]:]
-        cache = DynamicCache(config=self.model.config)
+        cache = reserved_cache(self.model.config, ids.shape[1] + R)
         logits = self.model(input_ids=first_ids, attention_mask=first_attn,
                             position_ids=(first_attn.cumsum(-1) - 1).clamp(min=0),
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1][copy_of]
         cache.batch_select_indices(copy_of)
         steps = R
         for t in range(R):
-            tok, logp = self._sample(logits.float(), p, gen)
+            tok, logp = sample_next(logits.float(), p, gen)
             tokens[rows, t] = tok
             logprobs[rows, t] = logp
             done = tok == self.eos
@@ -101,32 +105,10 @@ class HFRolloutWorker(RolloutWorker):
         parts = []
         for start in range(0, len(rows), p.micro_batch_size):
             end = start + p.micro_batch_size
-            parts.append(run_episodes(self.model, tokenizer, envs[start:end], rows[start:end], p, self._sample,
+            parts.append(run_episodes(self.model, tokenizer, envs[start:end], rows[start:end], p, sample_next,
                                       self._env_pool, self.cfg.env.step_timeout_s, prompt_ids=prompt_ids,
                                       eos=self.eos, pad=self.pad))
         return cat_episodes(parts, self.pad)
-
-    @staticmethod
-    def _sample(logits_BV: torch.Tensor, p: RolloutConfig,
-                gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens drawn (from `gen`, or torch's RNG) from softmax(logits / T) restricted by top-k, then top-p
-        (greedy when T == 0), and their log-probs under exactly that distribution (under the plain softmax
-        when greedy)."""
-        if p.temperature == 0:
-            tok = logits_BV.argmax(-1)
-            return tok, logits_BV.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
-        scores = logits_BV / p.temperature if p.temperature != 1 else logits_BV
-        if p.top_k and p.top_k < scores.shape[-1]:
-            kth = scores.topk(p.top_k, dim=-1).values[:, -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if p.top_p < 1:  # drop the low tail whose total mass is <= 1 - top_p; the top token always stays
-            sorted_scores, order = scores.sort(dim=-1)
-            tail = sorted_scores.softmax(-1).cumsum(-1) <= 1 - p.top_p
-            tail[:, -1] = False
-            scores = scores.masked_fill(tail.scatter(-1, order, tail), float("-inf"))
-        logp = scores.log_softmax(-1)
-        tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
-        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
     def set_weights(self, state: dict[str, torch.Tensor], version: int) -> dict:
         """Load new policy weights in place; returns bytes moved. The first call checks that the names fit

@@ -1,0 +1,29 @@
+"""The rollout engine's linear layers for decode-sized batches (roles/rollout/skinny_linear.py): the same
+numbers as F.linear at every row count (padded or not, with a bias or not), F.linear's own path where autograd
+or many rows need it, and only plain fp32 layers patched.
+
+Tolerance: the two forms add the same products in another order; fp32 sums of 1536 terms of order 1 differ
+by ~1e-5 at most on any CPU's vector width, a wrong row or a missing bias by ~1."""
+import torch
+
+from rlbench_nb.roles.rollout.skinny_linear import MAX_ROWS, use_skinny_linears
+
+
+def test_skinny_linear_matches_f_linear_at_every_row_count():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(192, 1536), torch.nn.Linear(1536, 192, bias=False))
+    model.add_module("bf16", torch.nn.Linear(1024, 1024).to(torch.bfloat16))
+    model.add_module("small", torch.nn.Linear(128, 256))  # in the CPU's cache: F.linear is as fast
+    assert use_skinny_linears(model) == 2 and "forward" not in vars(model.bf16) and "forward" not in vars(model.small)
+    for rows in (1, 3, 5, 13, 15, 16, 17, 31, 64, 65):
+        x = torch.randn(rows, 1, 192)
+        with torch.no_grad():
+            ours = model[1](model[0](x))
+            ref = torch.nn.functional.linear(torch.nn.functional.linear(x, model[0].weight, model[0].bias),
+                                             model[1].weight)
+        assert ours.shape == ref.shape == (rows, 1, 192)
+        assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-5), (rows, (ours - ref).abs().max())
+    x = torch.randn(4, 192, requires_grad=True)  # with autograd: F.linear's path, gradients as ever
+    model[0](x).sum().backward()
+    assert torch.allclose(x.grad, model[0].weight.sum(0).expand(4, -1), atol=1e-5)
+    assert MAX_ROWS == 64
