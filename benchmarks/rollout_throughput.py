@@ -109,6 +109,7 @@ def measure(cfg, tok, batch, engine: str, repeats: int) -> dict:
 
         from rlbench_nb.roles.common import DTYPES
         model = AutoModelForCausalLM.from_pretrained(str(cfg.model.path), dtype=DTYPES[cfg.model.dtype]).eval()
+        row["params"] = sum(t.numel() for t in model.parameters())
         sampling = dict(do_sample=True, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p) \
             if p.temperature else dict(do_sample=False)
 
@@ -133,6 +134,7 @@ def measure(cfg, tok, batch, engine: str, repeats: int) -> dict:
             row["prefill_s"], _ = timed(lambda: worker.generate(batch, one), repeats)
             row["decode_steps"] = mask.shape[1] - 1
             row["weight_bytes"] = sum(t.numel() * t.element_size() for t in worker.model.parameters())
+            row["params"] = sum(t.numel() for t in worker.model.parameters())
         if hasattr(worker, "close"):
             worker.close()
     tokens = int(mask.sum())
@@ -169,11 +171,8 @@ def main():
         params = None
         for engine in args.engines:
             r = measure(cfg, tok, batch, engine, args.repeats)
-            if params is None:
-                from rlbench_nb.roles.common import load_causal_lm
-                model = load_causal_lm(cfg.model.path, cfg.model.dtype, torch.device("cpu"), cfg.model.attention)
-                params = sum(t.numel() for t in model.parameters())
-            r.update(size=size, params_m=params / 1e6)
+            params = r.pop("params", params)  # counted on a model the measurement loaded (vLLM's is not at hand)
+            r.update(size=size, params_m=params / 1e6 if params else float("nan"))
             rows.append(r)
     plain = {r["size"]: r["tok_s"] for r in rows if r["engine"] == "plain"}
     print(f"\nrollout throughput, {'cuda' if torch.cuda.is_available() else 'cpu'}, {torch.get_num_threads()} threads;"

@@ -14,6 +14,7 @@ Layers of any other kind (sliding-window, linear-attention) stay as transformers
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -28,9 +29,7 @@ class Scratch:
         self.flat = None
 
     def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
+        n = math.prod(shape)
         if self.flat is None or self.flat.numel() < n or self.flat.dtype != like.dtype \
                 or self.flat.device != like.device:
             self.flat = like.new_empty(n)
@@ -51,8 +50,9 @@ class ReservedLayer(DynamicLayer):
             self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
             self.rows = key_states.shape[0]
         end = self.length + key_states.shape[-2]
-        if self._keys is None or end > self._keys.shape[-2]:
-            self._reserve(self.rows, max(self.capacity, 2 * end if self._keys is not None else end), key_states)
+        if self._keys is None or end > self._keys.shape[-2]:  # the first call, or past the room: double it
+            room = max(self.capacity, 2 * end if self._keys is not None else end)
+            self._replace_buffers(self.rows, room, key_states, self.keys, self.values)
         self._keys[:self.rows, :, self.length:end].copy_(key_states)
         self._values[:self.rows, :, self.length:end].copy_(value_states)
         self.length = end
@@ -63,14 +63,13 @@ class ReservedLayer(DynamicLayer):
         self.keys = self._keys[:self.rows, :, :self.length]
         self.values = self._values[:self.rows, :, :self.length]
 
-    def _reserve(self, rows: int, capacity: int, like: torch.Tensor) -> None:
-        """New buffers of `rows` x `capacity` holding the current rows' filled positions."""
+    def _replace_buffers(self, rows: int, room: int, like: torch.Tensor, keys, values) -> None:
+        """New [rows, kv heads, room, head dim] buffers starting with `keys` / `values` (None: empty)."""
         _, H, _, D = like.shape
-        keys, values = like.new_empty(rows, H, capacity, D), like.new_empty(rows, H, capacity, D)
-        if self._keys is not None and self.length:
-            keys[:self.rows, :, :self.length].copy_(self.keys)
-            values[:self.rows, :, :self.length].copy_(self.values)
-        self._keys, self._values = keys, values
+        self._keys, self._values = like.new_empty(rows, H, room, D), like.new_empty(rows, H, room, D)
+        if keys is not None and keys.shape[-2]:
+            self._keys[:, :, :keys.shape[-2]].copy_(keys)
+            self._values[:, :, :keys.shape[-2]].copy_(values)
 
     def get_seq_length(self) -> int:
         return self.length
@@ -80,19 +79,14 @@ class ReservedLayer(DynamicLayer):
             return
         n = len(indices)
         if n > self._keys.shape[0]:  # more rows than there is room for (the n samples of each prompt): new buffers
-            keys, values = self.keys[indices], self.values[indices]
-            self.rows, self.length = 0, 0
-            self._reserve(n, self._keys.shape[-2], keys)
-            self.rows, self.length = n, keys.shape[-2]
-            self._keys[:, :, :self.length].copy_(keys)
-            self._values[:, :, :self.length].copy_(values)
+            self._replace_buffers(n, self._keys.shape[-2], self._keys, self.keys[indices], self.values[indices])
         else:  # pack the kept rows to the front: through the scratch, as source and destination overlap
             for buf in (self._keys, self._values):
                 live = buf[:self.rows, :, :self.length]
                 kept = self.scratch.take((n, *live.shape[1:]), live)
                 torch.index_select(live, 0, indices, out=kept)
                 buf[:n, :, :self.length].copy_(kept)
-            self.rows = n
+        self.rows = n
         self._views()
 
     def reset(self) -> None:

@@ -17,6 +17,7 @@ import torch
 from ...config import RolloutConfig
 
 BLOCK = 1024  # a vocabulary of up to one block draws with torch.multinomial: there its per-entry cost is small
+BELOW = 1 - 2 ** -40  # a total times this is below it, whatever float64 rounding did to the sums
 
 
 def sample_next(logits_BV: torch.Tensor, p: RolloutConfig,
@@ -50,12 +51,12 @@ def draw(probs_BV: torch.Tensor, gen: torch.Generator | None = None) -> torch.Te
     blocks = -(-V // BLOCK)
     padded = torch.nn.functional.pad(probs_BV, (0, blocks * BLOCK - V)).view(B, blocks, BLOCK)
     cum = padded.sum(-1, dtype=torch.float64).cumsum(-1)                        # [B, blocks]
-    # below the total by a hair: float64 rounding must not put u at the very end, past the last entry with mass
-    u = torch.rand((B, 1), generator=gen, dtype=torch.float64, device=probs_BV.device) * (cum[:, -1:] * (1 - 2 ** -40))
+    # below the total: rounding must not put u at the very end, past the last entry with mass
+    u = torch.rand((B, 1), generator=gen, dtype=torch.float64, device=probs_BV.device) * (cum[:, -1:] * BELOW)
     block = torch.searchsorted(cum, u, right=True).clamp_(max=blocks - 1)       # first block whose sum passes u
     before = torch.nn.functional.pad(cum, (1, 0)).gather(1, block)              # the sum of the blocks before it
     within = padded[torch.arange(B, device=probs_BV.device), block[:, 0]].cumsum(-1, dtype=torch.float64)
     # u - before >= 0 and, capped below the block's own total, it lands on an entry whose probability is > 0
     # (the block totals and `within` add in different orders, so their last bits may differ)
-    target = torch.minimum(u - before, within[:, -1:] * (1 - 2 ** -40))
+    target = torch.minimum(u - before, within[:, -1:] * BELOW)
     return block[:, 0] * BLOCK + torch.searchsorted(within, target, right=True)[:, 0]

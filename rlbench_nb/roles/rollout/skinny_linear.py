@@ -42,8 +42,7 @@ def skinny_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def use_skinny_linears(model: torch.nn.Module) -> int:
     """Give each plain fp32 `nn.Linear` of `model` with at least MIN_WEIGHT weights the skinny forward; how many
-    got it. Subclasses (quantized,
-    LoRA wrappers) keep their own forward, and the plain layers they wrap get this one."""
+    got it. Subclasses (quantized, LoRA wrappers) keep their own forward; the plain layers they wrap get this one."""
     patched = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32 \
