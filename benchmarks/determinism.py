@@ -24,7 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from vs_trl import GROUP, SIZES, model_dir  # the same model sizes and work per step as the TRL comparison
+# the same model sizes and work per step as the TRL comparison
+from vs_trl import GROUP, SIZES, data_overrides, model_dir
 
 BACKENDS = {"local": ["cluster.backend=local"], "ray": ["cluster.backend=ray"]}
 
@@ -45,7 +46,7 @@ def trial(spec: dict) -> dict:
         f"run.dir={spec['run_dir']}", "run.tensorboard=false", "run.save_rollouts_every=0",
         f"model.path={spec['path']}",
         f"data.batch_size={prompts}", f"rollout.n={GROUP}", f"rollout.max_new_tokens={max_new}", f"train.lr={lr}",
-        "task.num_test=8", *spec["overrides"]])
+        "task.num_test=8", *data_overrides(spec["size"]), *spec["overrides"]])
     with rl.Session(cfg) as sess:
         walls = []
         for _ in range(spec["warmup"] + spec["steps"]):

