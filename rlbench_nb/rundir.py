@@ -129,6 +129,8 @@ class Lease:
         self.token = uuid.uuid4().hex
         self.me = {"token": self.token, "host": socket.gethostname(), "pid": os.getpid(),
                    "start": _process_start(os.getpid()), "dir": str(run_dir)}
+        self.since: float | None = None  # when this controller took the run
+        self._mine: tuple | None = None  # the lease file as this controller last wrote it (_signature)
 
     def holder(self) -> dict | None:
         """The recorded holder, or None (no lease, an unreadable one, or one copied along with the run
@@ -165,18 +167,32 @@ class Lease:
         """Rewrite the lease with a fresh time; a plain renew (no `since`: not `acquire`) first checks that
         it is still ours, so a session taken over mid-step never takes the lease back."""
         if since is None:
-            self.check("renew the run's lease")
-        held = self.holder() or {}
-        write_json(self.path, {**self.me, "since": since or held.get("since", time.time()), "renewed": time.time()})
+            self.check("renew the run's lease", reread=True)
+        self.since = since or self.since or time.time()
+        write_json(self.path, {**self.me, "since": self.since, "renewed": time.time()})
+        self._mine = self._signature()
 
-    def holds(self) -> bool:
-        """Whether this controller still holds the run (gone counts as not: the taker may have closed since)."""
+    def _signature(self) -> tuple | None:
+        """(inode, modification ns, size) of the lease file: every write replaces the file (a new inode), so an
+        unchanged signature is the file this controller wrote, found with no read (each phase checks)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def holds(self, reread: bool = False) -> bool:
+        """Whether this controller still holds the run (gone counts as not: the taker may have closed since).
+        `reread`: read the file even when its signature is this controller's own write (before writing the
+        run: a network file system may show a stale signature for a few seconds)."""
+        if not reread and self._mine is not None and self._signature() == self._mine:
+            return True
         holder = self.holder()
         return holder is not None and holder.get("token") == self.token
 
-    def check(self, what: str) -> None:
+    def check(self, what: str, reread: bool = False) -> None:
         """Raise if another controller took the run over: this one must not write it any more."""
-        if not self.holds():
+        if not self.holds(reread):
             holder = self.holder()
             who = self.describe(holder) if holder else "another session, which has released it since"
             raise SessionStateError(f"cannot {what}: run directory {self.path.parent} was taken over by "
@@ -186,7 +202,7 @@ class Lease:
         """Give the run up. A lease file that cannot be removed (a read-only disk) is still released for this
         process: `alive` no longer counts its token, so the next session here may take the run."""
         _RELEASED.add(self.token)
-        if self.holds():
+        if self.holds(reread=True):  # never another controller's file
             with contextlib.suppress(OSError):
                 self.path.unlink(missing_ok=True)
 

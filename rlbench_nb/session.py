@@ -448,7 +448,7 @@ class Session:
             try:
                 self.workers.sync(version=self.step_count)
             finally:  # a failed push is caught up at the next one; the file follows the controller regardless
-                if self.current_branch is None and self.lease.holds():
+                if self.current_branch is None and self.lease.holds(reread=True):
                     self.rundir.write_state(self.controller_state())
         except OSError as e:  # the workers are back already: refused until the files say so too
             self.state = "needs_resync"

@@ -90,3 +90,24 @@ def test_a_system_prompt_goes_before_each_prompt_or_is_refused_where_the_templat
                          "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")  # as Gemma's
     with pytest.raises(ConfigError, match=r"fails on a system message \(data.system_prompt\).*not supported"):
         PromptCodec(tok, DataConfig(system_prompt="x"))
+
+
+def test_decode_keeps_only_the_masked_response_tokens_and_drops_special_ones(tmp_path):
+    """PromptCodec.decode: one text per row from the tokens its mask keeps (a masked-out token in the middle
+    or after EOS is not text), special tokens (EOS, pad) dropped, the lengths in tokens beside."""
+    import torch
+
+    from rlbench_nb.data.batch import Batch
+    tok = make_tokenizer(tmp_path, words=("calc",))
+    codec = PromptCodec(tok, DataConfig())
+    rows = ["12+3", "calc 7", "", "9"]
+    ids = [tok(r, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for r in rows]
+    width = max(map(len, ids)) + 2
+    response = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x in ids])
+    mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
+    response[0, 1] = tok("5", add_special_tokens=False)["input_ids"][0]  # "15+3" ...
+    mask[0, 1] = 0  # ... but the '5' is masked out: "1+3"
+    response[3, 2] = tok("8", add_special_tokens=False)["input_ids"][0]  # after EOS, unmasked: not text
+    out = codec.decode(Batch({"response_ids_BR": response, "response_mask_BR": mask}))
+    assert out["response"] == ["1+3", "calc 7", "", "9"]
+    assert out["response_len_B"].tolist() == [4, 4, 1, 2]  # the kept tokens, EOS included
