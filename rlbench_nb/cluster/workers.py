@@ -133,8 +133,9 @@ class Workers:
         if self.rollout_sleeps():
             rollout.call("wake_up")
         # a collective when sharded: all ranks. Under Ray the rollout's call is queued on a reference to
-        # rank 0's result, so the bytes go policy -> rollout without a round trip through this process
-        pending = policy.submit_stored("get_weights", to=rollout)
+        # rank 0's result, so the bytes go policy -> rollout without a round trip through this process. Not a
+        # copy: every way there copies them (set_weights into the engine, a Ray push into its buffer first)
+        pending = policy.submit_stored("get_weights", copy=False, to=rollout)
         return t0, pending, rollout.submit("set_weights", pending.stored[0], version), version
 
     def finish_sync(self, started: tuple, since: float | None = None) -> dict:

@@ -63,12 +63,14 @@ def local_scalar(x) -> float:
     return float(x)
 
 
-def full_model_state(model: torch.nn.Module, sharded: bool, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+def full_model_state(model: torch.nn.Module, sharded: bool, trainable_only: bool = False,
+                     copy: bool = True) -> dict[str, torch.Tensor]:
     """Full CPU weights on rank 0 ({} on other ranks); `trainable_only`: those that require grad (LoRA's
-    adapters). A collective when sharded: every rank must call it."""
+    adapters); `copy=False`: unsharded CPU weights as the model's own tensors, not copies. A collective when
+    sharded: every rank must call it."""
     if not sharded:
         trained = {n for n, p in model.named_parameters() if p.requires_grad} if trainable_only else None
-        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()
+        return {k: v.detach().to("cpu", copy=copy) for k, v in model.state_dict().items()
                 if trained is None or k in trained}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,

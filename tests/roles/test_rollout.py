@@ -6,6 +6,8 @@ import torch
 
 import rlbench_nb as rl
 
+from ..conftest import assert_rollout_holds_policy_weights
+
 
 def _generate(sess, **params):
     probe = sess.prompts.encode(sess.test_data.rows[:8], 4, "probe")
@@ -64,3 +66,20 @@ def test_engine_matches_hf_generate_and_drops_finished_rows(small_cfg):
     assert rows_seen == [10] + [int((lengths > t).sum()) for t in range(1, len(rows_seen))]
     assert min(rows_seen[1:]) < 30
     sess.close()
+
+
+def test_a_weight_push_lends_the_policys_own_tensors_and_the_engine_keeps_a_copy(small_cfg):
+    """The push passes the policy's live tensors (no copy of the model a step); the engine copies them into its
+    own, so the next update moves the policy and not the engine. `get_weights()` as people call it is a snapshot."""
+    with rl.Session(small_cfg("run.tensorboard=false")) as sess:
+        policy, engine = sess.groups["policy"].workers[0], sess.groups["rollout"].workers[0]
+        live = {k: v.data_ptr() for k, v in policy.model.state_dict().items()}
+        assert {k: v.data_ptr() for k, v in policy.get_weights(copy=False).items()} == live
+        assert not {v.data_ptr() for v in policy.get_weights().values()} & set(live.values())
+        sess.step()
+        assert not {v.data_ptr() for v in engine.model.state_dict().values()} & set(live.values())
+        assert_rollout_holds_policy_weights(sess)
+        pushed = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        sess.update(sess.prepare(sess.score(sess.rollout())))  # pushes again: the engine follows the policy
+        assert_rollout_holds_policy_weights(sess)
+        assert any(not torch.equal(v, engine.model.state_dict()[k]) for k, v in pushed.items())
