@@ -41,7 +41,7 @@ def settings(cores: int, chosen: list[str]) -> dict[str, list[str]]:
 def trial(spec: dict) -> dict:
     """One session: warm-up steps, then timed steps (in this process)."""
     import rlbench_nb as rl
-    _, prompts, max_new, lr = SIZES[spec["size"]]
+    prompts, max_new, lr = (getattr(SIZES[spec["size"]], k) for k in ("prompts", "max_new", "lr"))
     cfg = rl.Config.load(None, [
         f"run.dir={spec['run_dir']}", "run.tensorboard=false", "run.save_rollouts_every=0",
         f"model.path={spec['path']}",

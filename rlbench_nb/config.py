@@ -10,13 +10,13 @@ the dotted key, the bad value and, for typos, the nearest valid key.
 from __future__ import annotations
 
 import difflib
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .config_yaml import UniqueKeyLoader, Yaml12Bools
 from .errors import RLBenchError
 
 
@@ -295,7 +295,8 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature (0: greedy)."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass. Below 1 (or top_k > 0) the samples come from a cut softmax, while the loss scores
+    the whole one (as TRL and verl): the HF engine records the whole softmax's log-probs, vLLM the cut's."""
     top_k: int = Field(0, ge=0)
     """Top-k sampling (0: off)."""
     max_new_tokens: int = Field(8, ge=1)
@@ -320,6 +321,11 @@ class RolloutConfig(_Section):
         this config's)."""
         return self.model_copy(update={"temperature": 0.0, "n": 1,
                                        "max_new_tokens": max_new_tokens or self.max_new_tokens})
+
+    @property
+    def truncates(self) -> bool:
+        """Sampling cuts the softmax's tail (top-k or top-p): the drawn distribution is not the trainer's."""
+        return self.temperature > 0 and (self.top_p < 1 or 0 < self.top_k)
 
 
 class AlgoConfig(_Section):
@@ -526,6 +532,15 @@ class Config(_Section):
         if self.env.fn is not None and self.run.deterministic:
             raise ValueError("env.fn with run.deterministic: episodes are not seeded per draw yet; set "
                              "run.deterministic=false")
+        if self.rollout.engine == "vllm" and self.rollout.truncates and (
+                self.algo.rollout_is != "off" or self.algo.mismatch_alarm is not None):
+            raise ValueError(
+                f"rollout.engine=vllm with rollout.top_p={self.rollout.top_p} / top_k={self.rollout.top_k}: vLLM "
+                "returns each token's log-prob after the cut, renormalised over the tokens kept, and the trainer's "
+                "differs from it on every token by the kept mass, so the mismatch monitor (algo.mismatch_alarm) and "
+                "algo.rollout_is would measure the cut, not the engine. Set rollout.top_p=1 and rollout.top_k=0 "
+                "(RL's usual sampling), use rollout.engine=hf (it records the trainer's log-probs), or turn both "
+                "off (algo.mismatch_alarm=null, algo.rollout_is=off)")
         if self.algo.advantage in ("grpo", "rloo") and self.rollout.n < 2:
             raise ValueError(f"algo.advantage={self.algo.advantage} compares samples of one prompt: "
                              "set rollout.n to 2 or more")
@@ -593,7 +608,7 @@ class Config(_Section):
                 raise ConfigError(f"config file {path} is empty: give the sections you change (an empty "
                                   "file is more likely a failed copy than a wish for every default)")
             try:
-                data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+                data = yaml.load(text, Loader=UniqueKeyLoader) or {}
             except yaml.YAMLError as e:
                 mark = getattr(e, "problem_mark", None)
                 where = f" (line {mark.line + 1})" if mark is not None else ""
@@ -683,37 +698,6 @@ def _find(path: Path) -> Path:
     raise ConfigError(f"config file not found: {path} (looked in {Path.cwd()} and its parents)")
 
 
-class _Yaml12Bools(yaml.SafeLoader):
-    """safe_load with YAML 1.2's booleans: only true/false are. YAML 1.1's yes/no/on/off made
-    `algo.rollout_is=off` the boolean False, which the setting ('off' | 'tis' | 'mis') refused; a bool setting
-    still reads the word (pydantic takes 'off', 'no', 'on', 'yes')."""
-
-
-_Yaml12Bools.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Yaml12Bools.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                   list("tTfF"))
-
-
-class _UniqueKeyLoader(_Yaml12Bools):
-    """safe_load, except that a key given twice in one mapping (a section pasted twice) is an error
-    instead of the last one silently winning."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: SafeLoader's flattening merges it
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"'{key}' appears twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1}); "
-                    "merge the two into one")
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep)
-
-
 def _deep_copy(d):
     return yaml.safe_load(yaml.safe_dump(d))
 
@@ -756,7 +740,7 @@ def _apply_override(data: dict, item: str) -> None:
     section = _SECTIONS.get(parts[0])
     if len(parts) < 2 or section is None:
         raise ConfigError(f"unknown config key '{key}'{_nearest(key)}")
-    value = yaml.load(raw, Loader=_Yaml12Bools) if raw.strip() else None
+    value = yaml.load(raw, Loader=Yaml12Bools) if raw.strip() else None
     cur, where, named = data, parts[0], None
     for i, p in enumerate(parts[1:], start=1):  # down the nested sections (model.lora.r) to the leaf's mapping
         cur = cur.setdefault(parts[i - 1], {})

@@ -63,6 +63,16 @@ def check_run_args(cfg, async_rollout: bool, max_staleness, on_failure: str) -> 
         raise UsageError(f"on_failure={on_failure!r}: use 'raise' or 'restore'")
     if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
         raise UsageError(f"max_staleness={max_staleness!r}: a whole number of steps, 0 or more (0: synchronous)")
+    if async_rollout and cfg.algo.rollout_is != "off":
+        raise UsageError(f"async_rollout with algo.rollout_is={cfg.algo.rollout_is}: an async step's PPO ratio is "
+                         "already against the engine's own log-probs (the policy that sampled), so there is no "
+                         "second correction to make and it would not be applied: set algo.rollout_is=off, or run "
+                         "without async_rollout")
+    if async_rollout and cfg.rollout.engine == "vllm" and cfg.rollout.truncates:
+        raise UsageError(f"async_rollout with rollout.engine=vllm and rollout.top_p={cfg.rollout.top_p} / top_k="
+                         f"{cfg.rollout.top_k}: an async step's old log-probs are the engine's, which vLLM gives "
+                         "after the cut (renormalised), so the PPO ratio would start below 1 on every token: set "
+                         "rollout.top_p=1 and rollout.top_k=0, or use rollout.engine=hf")
     if async_rollout and cfg.rollout.colocate:
         raise UsageError("async_rollout overlaps generation with the update, but rollout.colocate runs the "
                          "rollout engine on the trainers' devices (under Ray, in the policy's processes), "

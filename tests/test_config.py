@@ -90,6 +90,31 @@ def test_yaml_round_trip_and_help(tmp_path):
 
 
 
+def test_a_cut_softmax_on_vllm_is_refused_where_its_log_probs_would_be_compared():
+    # vLLM records log-probs after top-k / top-p (renormalised): the monitor and IS would measure the cut
+    base = ["rollout.engine=vllm", "rollout.top_p=0.9"]
+    with pytest.raises(ConfigError, match="rollout.engine=vllm with rollout.top_p=0.9 / top_k=0: vLLM returns"):
+        Config.load(None, base)
+    with pytest.raises(ConfigError, match="algo.mismatch_alarm=null, algo.rollout_is=off"):
+        Config.load(None, [*base, "algo.mismatch_alarm=null", "algo.rollout_is=tis"])
+    assert Config.load(None, [*base, "algo.mismatch_alarm=null"]).rollout.truncates
+    assert not Config.load(None, [*base, "rollout.temperature=0"]).rollout.truncates  # greedy cuts nothing
+    assert Config.load(None, ["rollout.top_k=5"]).rollout.truncates  # the HF engine records the whole softmax
+    assert not Config.load(None, ["rollout.engine=vllm"]).rollout.truncates
+
+
+def test_async_steps_refuse_a_second_correction_and_vllms_cut_log_probs():
+    from rlbench_nb.errors import UsageError
+    from rlbench_nb.runner import check_run_args
+    with pytest.raises(UsageError, match="async_rollout with algo.rollout_is=tis: an async step's PPO ratio"):
+        check_run_args(Config.load(None, ["algo.rollout_is=tis"]), True, 1, "raise")
+    check_run_args(Config.load(None, ["algo.rollout_is=tis"]), False, 1, "raise")
+    cut = Config.load(None, ["rollout.engine=vllm", "rollout.top_k=20", "algo.mismatch_alarm=null"])
+    with pytest.raises(UsageError, match="old log-probs are the engine's, which vLLM gives after the cut"):
+        check_run_args(cut, True, 1, "raise")
+    check_run_args(Config.load(None, ["rollout.top_k=20"]), True, 1, "raise")
+
+
 def test_colocated_rollout_needs_one_engine_per_policy_rank():
     with pytest.raises(ConfigError, match=r"rollout.colocate runs one rollout engine in each policy process: "
                                           r"set cluster.rollout_ranks=2 \(= cluster.train_ranks\), not 1"):

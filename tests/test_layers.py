@@ -187,7 +187,7 @@ LONG_SESSION_METHODS: dict[str, int] = {}  # none left (a ratchet, as LONG_FUNCT
 # Ratchets for the façade issue's size rules (no function over 60 lines, no module over 400 but config.py):
 # what breaks them today, at most as long as today. Lower a number as its code shrinks; never add a name.
 LONG_FUNCTIONS: dict[str, int] = {}  # none left (export.to_script, episodes.run_episodes and reward_model.build split)
-LONG_MODULES = {"rlbench_nb/config.py": 803, "rlbench_nb/session.py": SESSION_MAX_LINES}  # config: the issue exempts it
+LONG_MODULES = {"rlbench_nb/config.py": 787, "rlbench_nb/session.py": SESSION_MAX_LINES}  # config: the issue exempts it
 
 
 def test_no_new_function_over_60_lines_and_no_new_module_over_400():

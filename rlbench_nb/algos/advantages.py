@@ -28,47 +28,61 @@ def sequence_advantage(advantages_BR: torch.Tensor, mask_BR: torch.Tensor) -> to
     return (advantages_BR * mask).sum(-1) / mask.sum(-1).clamp(min=1)
 
 
-def _group_index(group_ids: Sequence) -> tuple[torch.Tensor, int]:
-    """Map arbitrary hashable group ids to 0..G-1."""
-    table: dict = {}
-    idx = torch.tensor([table.setdefault(g, len(table)) for g in group_ids], dtype=torch.long)
-    return idx, len(table)
+class _Groups:
+    """Arbitrary hashable group ids as indices 0..G-1, with each group's size and first sample."""
+
+    def __init__(self, group_ids: Sequence):
+        table: dict = {}
+        first: list[int] = []
+        for i, g in enumerate(group_ids):
+            if g not in table:
+                table[g] = len(table)
+                first.append(i)
+        self.index = torch.tensor([table[g] for g in group_ids], dtype=torch.long)
+        self.first = torch.tensor(first, dtype=torch.long)
+        self.count = torch.bincount(self.index, minlength=len(first))
+
+    def total(self, values_B: torch.Tensor) -> torch.Tensor:
+        """Each group's sum of `values_B`, one per group."""
+        return torch.zeros(len(self.first)).index_add_(0, self.index, values_B)
+
+    def shifted(self, scores_B: torch.Tensor) -> torch.Tensor:
+        """Each score minus its group's first one: exactly 0 across a group of equal scores, where a plain
+        sum / n rounds (eight scores of 0.2 sum to 1.6000001 in fp32, so r - mean was 1.5e-8 and, over an
+        std as small, GRPO gave the tie an advantage of 0.015 instead of 0)."""
+        return scores_B - scores_B[self.first][self.index]
 
 
 def grpo_advantages(scores_B: torch.Tensor, group_ids: Sequence, norm_by_std: bool = True,
                     eps: float = 1e-6) -> torch.Tensor:
     """GRPO outcome advantage (Shao et al. 2024, DeepSeekMath): (r - mean_group) / (std_group + eps).
 
-    The std is the unbiased one (torch.std), as in verl. A group of one sample gets mean 0 and std 1.
-    With `norm_by_std=False` this is Dr. GRPO (Liu et al. 2025): r - mean_group.
+    The std is the unbiased one (as torch.std), as in verl. A group of one sample gets mean 0 and std 1.
+    A group whose scores are all equal gets exactly 0. With `norm_by_std=False` this is Dr. GRPO (Liu et
+    al. 2025): r - mean_group. All groups at once (index_add): a loop over groups cost ~0.5 ms a step.
     """
-    idx, G = _group_index(group_ids)
+    groups = _Groups(group_ids)
     scores = scores_B.float()
-    adv = torch.empty_like(scores)
-    for g in range(G):
-        sel = idx == g
-        s = scores[sel]
-        if s.numel() == 1:
-            mean, std = torch.zeros(()), torch.ones(())
-        else:
-            mean, std = s.mean(), s.std()
-        adv[sel] = (s - mean) / (std + eps) if norm_by_std else s - mean
-    return adv
+    shifted = groups.shifted(scores)
+    count = groups.count.float()
+    centered = shifted - (groups.total(shifted) / count)[groups.index]
+    if norm_by_std:
+        std = (groups.total(centered * centered) / (count - 1).clamp(min=1)).sqrt()
+        centered = centered / (std[groups.index] + eps)
+    alone = groups.count[groups.index] == 1
+    return torch.where(alone, scores / (1 + eps) if norm_by_std else scores, centered)
 
 
 def rloo_advantages(scores_B: torch.Tensor, group_ids: Sequence) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024): r_i minus the mean of the other samples of its prompt,
-    i.e. n/(n-1) * (r_i - mean_group). A group of one sample keeps its raw score."""
-    idx, G = _group_index(group_ids)
+    i.e. n/(n-1) * (r_i - mean_group). A group of one sample keeps its raw score; a group of equal
+    scores gets exactly 0."""
+    groups = _Groups(group_ids)
     scores = scores_B.float()
-    adv = scores.clone()
-    for g in range(G):
-        sel = idx == g
-        n = int(sel.sum())
-        if n > 1:
-            s = scores[sel]
-            adv[sel] = (s * n - s.sum()) / (n - 1)
-    return adv
+    shifted = groups.shifted(scores)
+    n = groups.count[groups.index].float()
+    adv = (shifted * n - groups.total(shifted)[groups.index]) / (n - 1).clamp(min=1)
+    return torch.where(n == 1, scores, adv)
 
 
 def discounted_returns(rewards_BR: torch.Tensor, mask_BR: torch.Tensor, gamma: float) -> torch.Tensor:

@@ -24,7 +24,12 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / sqrt(var + 1e-8) over the masked entries; the mean is added back if not shift_mean."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
-    white = (x - mean) * torch.rsqrt(var + 1e-8)
-    return white if shift_mean else white + mean
+    """(x - mean) / sqrt(var + 1e-8) over the masked entries; the mean is added back if not shift_mean.
+    Computed on x less its first masked entry, so entries that are all equal whiten to exactly 0: a plain fp32
+    mean of them rounds, and 1 / sqrt(1e-8) made the residue ~1e-3 (the same sign on every token)."""
+    first = mask.flatten().nonzero()
+    ref = x.flatten()[first[0, 0]] if len(first) else x.new_zeros(())
+    shifted = x - ref
+    mean, var = masked_mean(shifted, mask), masked_var(shifted, mask)
+    white = (shifted - mean) * torch.rsqrt(var + 1e-8)
+    return white if shift_mean else white + mean + ref

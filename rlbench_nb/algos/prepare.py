@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import UsageError
 from .advantages import compute_advantages, outcome_token_rewards, sequence_advantage
 from .kl import reference_kl
 from .masked import masked_mean
@@ -34,6 +35,11 @@ def advantages_for(batch, forwards, algo, *, uses_reference: bool, kl_coef: floa
     `loss_mask_BR` for episodes). `forwards`: what the roles' passes gave (`old_logprobs_BR` unless the
     update's own forward measures them, `ref_logprobs_BR` with a reference, `values_BR` with a critic).
     `algo`: the AlgoConfig; `kl_coef`: the KL controller's value now."""
+    if "loss_mask_BR" in batch and algo.advantage not in ("grpo", "rloo"):  # what the config refuses with env.fn,
+        # reached by replaying saved episodes: returns and whitening would run across the environment's tokens
+        raise UsageError(f"these are multi-turn episodes (environment tokens between the model's turns), and "
+                         f"algo.advantage={algo.advantage} computes per-token returns across them, which is not "
+                         "supported yet: prepare them with grpo or rloo")
     mask = batch["response_mask_BR"].float()  # where each sequence is: its reward sits on the last token
     trained = (batch["loss_mask_BR"] if "loss_mask_BR" in batch else batch["response_mask_BR"]).float()
     out, m, kl_current = {}, {}, None

@@ -229,8 +229,13 @@ def trained_tokens(batch: Batch) -> torch.Tensor:
     """The response tokens losses, KL, entropy and the mismatch are taken over: the model's own tokens
     (`loss_mask_BR`, set by multi-turn episodes, where environment tokens sit between the model's turns), else
     every response token (`response_mask_BR`, which also stays the attention mask and marks where a sequence
-    ends)."""
-    return batch["loss_mask_BR"] if "loss_mask_BR" in batch else batch["response_mask_BR"]
+    ends); less the sequences `algo.rollout_is=mis` rejected (weight 0): out of the loss and its denominators,
+    as verl's rejection mask (kept in, they shrank every other sequence's share and still took entropy and KL
+    gradients)."""
+    mask = batch["loss_mask_BR"] if "loss_mask_BR" in batch else batch["response_mask_BR"]
+    if "is_weights_BR" in batch:  # tis weights are > 0 on every token; mis weights 0 on a rejected sequence
+        mask = mask * (batch["is_weights_BR"] > 0)
+    return mask
 
 
 def minibatch_major(batch: Batch, n_mini: int, world: int) -> Batch:

@@ -89,9 +89,20 @@ def model_vs_rule(batch: Batch) -> dict:
 def advantage_metrics(batch: Batch) -> dict:
     adv, mask = batch["advantages_BR"], trained_tokens(batch).float()
     out = {"advantage/mean": masked_mean(adv, mask).item(), "advantage/abs_max": (adv.abs() * mask).max().item()}
+    if "scores_B" in batch and "group" in batch.meta:
+        out["advantage/tied_groups"] = tied_groups(batch["scores_B"].tolist(), batch.meta["group"])
     if "values_BR" in batch:
         out["critic/values_mean"] = masked_mean(batch["values_BR"], mask).item()
     return out
+
+
+def tied_groups(scores: list[float], groups: list) -> float:
+    """The share of prompts whose samples all scored the same (TRL's frac_reward_zero_std): GRPO and RLOO give
+    them an advantage of 0, so they teach nothing this step; near 1, the prompts are too easy or too hard."""
+    seen: dict = {}
+    for score, group in zip(scores, groups):
+        seen.setdefault(group, set()).add(score)
+    return sum(len(s) == 1 for s in seen.values()) / max(len(seen), 1)
 
 
 def total_tokens(batch: Batch) -> float:

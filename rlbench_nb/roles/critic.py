@@ -9,7 +9,7 @@ from torch import nn
 from ..algos import agg_loss, value_loss
 from ..checkpoint_files import load_tensors
 from ..config import Config
-from ..data.batch import Batch
+from ..data.batch import Batch, trained_tokens
 from ..metrics.memory import memory_snapshot
 from ..ops.attention import load_model
 from . import distributed as dist_util
@@ -47,6 +47,9 @@ class CriticWorker(SnapshotHolder):
         compute = DTYPES[cfg.model.dtype]
         # fp32 masters, computed in model.dtype
         self.model = ValueModel(model_dir, "float32", cfg.model.attention, self.device).to(self.device)
+        # from_pretrained leaves the backbone in eval mode, and transformers checkpoints activations only in
+        # training mode: without this, train.activation_checkpointing kept every activation of the critic
+        self.model.train()
         if cfg.train.activation_checkpointing:
             self.model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.sharded = dist_util.shard(self.model, self.device, compute_dtype=compute)
@@ -86,7 +89,8 @@ class CriticWorker(SnapshotHolder):
         return adam_steps(self.model, self.optimizer)
 
     def _loss(self, mb: Batch, counts: dict) -> tuple[torch.Tensor, dict]:
-        mask = mb["response_mask_BR"].float().to(self.device)
+        # the tokens counts' denominators count (the trainer's): an episode's model tokens, without a rejected one
+        mask = trained_tokens(mb).float().to(self.device)
         vl_BR, st = value_loss(self._values(mb), mb["values_BR"].to(self.device), mb["returns_BR"].to(self.device),
                                mask, self.cfg.algo.value_clip)
         loss = agg_loss(vl_BR, mask, self.cfg.algo.loss_agg, **counts)

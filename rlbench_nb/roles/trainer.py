@@ -45,12 +45,19 @@ def optimizer_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ba
     return out
 
 
+def loss_counts(mini: Batch) -> dict:
+    """The mini-batch's loss denominators, summed over ranks: its trained tokens, and the sequences that have any
+    (a sequence algo.rollout_is=mis rejected has none: it counts in neither)."""
+    trained = trained_tokens(mini).float()
+    return {"num_tokens": dist_util.all_reduce_sum(trained.sum()),
+            "num_seqs": dist_util.all_reduce_sum((trained.sum(-1) > 0).float().sum())}
+
+
 def _optimizer_step(model, optimizer, mini: Batch, t: TrainConfig, loss_fn: LossFn, grad_norm_key: str) -> dict | str:
     """One optimizer step over `mini`: its stats, or "loss" / "grad" when a non-finite loss or gradient
     norm made it skip. Skipping leaves weights and optimizer state untouched, and every rank takes the
     same branch (FSDP's backward and the optimizer step are collectives)."""
-    counts = {"num_tokens": dist_util.all_reduce_sum(trained_tokens(mini).float().sum()),
-              "num_seqs": dist_util.all_reduce_sum(torch.tensor(float(len(mini))))}
+    counts = loss_counts(mini)
     world = dist_util.world_size()  # FSDP averages gradients over ranks; the losses are shares of a sum
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}

@@ -125,6 +125,14 @@ def test_masked_mean_var_whiten_hand_worked():
     assert_close(masked_whiten(x, m, shift_mean=False)[m.bool()], torch.tensor([1.0, 2.0, 3.0]))
 
 
+def test_masked_whiten_of_equal_entries_is_exactly_zero():
+    # 256 x 512 returns of 0.7: their fp32 mean rounds, and / sqrt(1e-8) made the residue ~1e-3 on every token
+    x, m = torch.full((256, 512), 0.7), torch.ones(256, 512)
+    m[:, 300:] = 0
+    assert torch.equal(masked_whiten(x, m) * m, torch.zeros(256, 512))
+    assert_close(masked_whiten(x, m, shift_mean=False)[m.bool()], torch.full((256 * 300,), 0.7))
+
+
 def test_masked_whiten_matches_reference_random():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 6, generator=g) * 3 + 1
@@ -166,6 +174,33 @@ def test_grpo_constant_group_is_zero_and_single_sample_group():
     # a lone sample: mean 0, std 1 (not its own mean -> not 0)
     assert_close(grpo_advantages(torch.tensor([0.7]), ["x"]), torch.tensor([0.7 / (1 + EPS)]))
     assert_close(grpo_advantages(torch.tensor([0.7]), ["x"], norm_by_std=False), torch.tensor([0.7]))
+
+
+@pytest.mark.parametrize("value", [0.2, 0.7, 1.2])
+def test_a_tie_group_gets_exactly_zero_where_its_mean_rounds(value):
+    # eight equal fp32 scores sum to a value that / 8 is not the score (0.2 * 8 -> 1.6000001): r - mean was
+    # ~1e-8, its std as small, and GRPO gave the tie an advantage of 0.015-0.11 (the format-only group of the
+    # GSM8K reward, 0.2 each, is the common case); beside it a group with a spread keeps its advantages
+    ids = ["tie"] * 8 + ["spread"] * 4
+    scores = torch.tensor([value] * 8 + [1.0, 0.0, 0.0, 1.0])
+    for adv in (grpo_advantages(scores, ids), grpo_advantages(scores, ids, norm_by_std=False),
+                rloo_advantages(scores, ids)):
+        assert torch.equal(adv[:8], torch.zeros(8))
+        assert adv[8] > 0.4 and adv[9] < -0.4
+
+
+def test_the_prepare_metrics_count_the_tied_groups():
+    # a: four answers in the format only (0.2 each), b: a spread, c: all wrong -> a and c teach nothing
+    from rlbench_nb.data.batch import Batch
+    from rlbench_nb.metrics.compute import advantage_metrics
+    groups = ["a", "b", "c", "a", "b", "c", "a", "b", "c", "a", "b", "c"]
+    scores = torch.tensor([0.2, 1.2, 0.0, 0.2, 0.2, 0.0, 0.2, 0.0, 0.0, 0.2, 1.2, 0.0])
+    adv = grpo_advantages(scores, groups)
+    batch = Batch({"scores_B": scores, "advantages_BR": adv[:, None].repeat(1, 3),
+                   "response_mask_BR": torch.ones(12, 3, dtype=torch.long)}, {"group": groups})
+    m = advantage_metrics(batch)
+    assert m["advantage/tied_groups"] == pytest.approx(2 / 3)
+    assert m["advantage/abs_max"] == pytest.approx(adv.abs().max().item()) and adv.abs().max() > 0.5
 
 
 @pytest.mark.parametrize("norm_by_std", [True, False])

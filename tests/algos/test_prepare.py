@@ -85,3 +85,14 @@ def test_environment_tokens_get_no_advantage_and_do_not_count():
     assert out.advantage[1] == pytest.approx(-0.5)  # the mean over the model's own two tokens
     # the reward still sits on the sequence's last token, an environment token or not
     assert out.tensors["token_rewards_BR"][1].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_episodes_with_per_token_returns_are_refused_by_name():
+    # replayed episodes (env tokens between turns) under gae / reinforce_pp: returns and whitening would run across
+    # the environment's tokens; grpo and rloo take each sequence's score and mask the env tokens out
+    from rlbench_nb.errors import UsageError
+    episodes = _batch(loss_mask_BR=torch.tensor([[1.0, 0, 0], [1, 0, 1], [1, 0, 0], [1, 1, 0]]))
+    with pytest.raises(UsageError, match="algo.advantage=reinforce_pp computes per-token returns across them"):
+        advantages_for(episodes, Batch(), AlgoConfig(advantage="reinforce_pp"), uses_reference=False, kl_coef=0.0)
+    out = advantages_for(episodes, Batch(), _algo(), uses_reference=False, kl_coef=0.0)
+    assert out.tensors["advantages_BR"][1].tolist() == [-0.5, 0.0, -0.5]  # no advantage on the env's token

@@ -169,3 +169,53 @@ def test_shared_prompt_prefix_gives_the_same_logprobs_gradients_and_update(small
     _assert_grads_close(out[True][2], out[False][2])
     assert out[False][2]["model.embed_tokens.weight"].norm() > 0  # the prompt's embeddings got gradient
     sess.close()
+
+
+def test_a_sequence_mis_rejects_leaves_the_loss_and_its_denominators(small_cfg):
+    """algo.rollout_is=mis: a rejected sequence (weight 0) takes no part in the loss, its entropy bonus, its KL or
+    its token and sequence counts, as verl's rejection mask: the loss equals the loss of the kept rows alone (with
+    them kept in the denominators, half the batch rejected halved every other sequence's share)."""
+    from rlbench_nb.roles.trainer import loss_counts
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        sess = rl.Session(small_cfg("run.tensorboard=false", "algo.rollout_is=mis", "algo.entropy_coef=0.01",
+                                    "algo.kl_coef=0.05", f"algo.loss_agg={agg}"))
+        policy = sess.groups["policy"].workers[0]
+        batch = sess.prepare(sess.score(sess.rollout()))
+        weights = batch["response_mask_BR"].float().clone()
+        weights[: len(batch) // 2] = 0.0  # the first half rejected
+        rejected = batch.replace(is_weights_BR=weights)
+        kept = batch.slice(len(batch) // 2, len(batch))
+        kept = kept.replace(is_weights_BR=kept["response_mask_BR"].float())
+        loss_rej, stats_rej = policy._loss(rejected, loss_counts(rejected), 0.05)
+        loss_kept, stats_kept = policy._loss(kept, loss_counts(kept), 0.05)
+        assert loss_counts(rejected)["num_seqs"] == loss_counts(kept)["num_seqs"] == len(batch) // 2
+        torch.testing.assert_close(loss_rej, loss_kept, rtol=1e-5, atol=1e-7)  # the same rows' sums, fp32
+        for key in ("loss/policy", "entropy", "loss/kl"):
+            assert stats_rej[key] == pytest.approx(stats_kept[key], rel=1e-5, abs=1e-7), (agg, key)
+        sess.close()
+
+
+def test_the_critics_activation_checkpointing_recomputes_its_layers(small_cfg):
+    """train.activation_checkpointing on the critic: each layer's forward runs again in the backward (it never
+    did: from_pretrained left the backbone in eval mode, where transformers keeps every activation), and the
+    update is the same as without."""
+    grads, calls = {}, {}
+    for ckpt in (False, True):
+        sess = rl.Session(small_cfg("run.tensorboard=false", "algo.advantage=gae", "train.lr=1e-2",
+                                    f"train.activation_checkpointing={str(ckpt).lower()}"))
+        critic = sess.groups["critic"].workers[0]
+        batch = sess.prepare(sess.score(sess.rollout()))
+        calls[ckpt] = 0
+
+        def count(*_, ckpt=ckpt):
+            calls[ckpt] += 1
+        # a pre-hook: the recompute stops once it has what the backward needs (torch's early stop), before the end
+        hook = critic.model.backbone.layers[0].register_forward_pre_hook(count)
+        sess.update(batch)
+        hook.remove()
+        beta1 = critic.optimizer.param_groups[0]["betas"][0]
+        grads[ckpt] = {n: critic.optimizer.state[p]["exp_avg"] / (1 - beta1)
+                       for n, p in critic.model.named_parameters()}
+        sess.close()
+    assert calls[True] == 2 * calls[False] > 0
+    _assert_grads_close(grads[True], grads[False])

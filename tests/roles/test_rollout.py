@@ -14,24 +14,22 @@ def _generate(sess, **params):
     return sess.groups["rollout"].call_split("generate", probe, sess.cfg.rollout.model_copy(update=params))
 
 
-def test_truncated_sampling_records_the_truncated_distribution(small_cfg):
+def test_truncated_sampling_draws_inside_the_cut_and_records_the_trainers_log_probs(small_cfg):
     sess = rl.Session(small_cfg("run.tensorboard=false"))
     greedy = _generate(sess, temperature=0.0)
     for params in ({"top_k": 1, "temperature": 1.5}, {"top_p": 1e-6, "temperature": 0.7}):
-        out = _generate(sess, **params)  # one token left in the support: it is the greedy one, with log p = 0
+        out = _generate(sess, **params)  # one token left in the support: the greedy one
         assert torch.equal(out["response_ids_BR"], greedy["response_ids_BR"]), params
-        m = out["response_mask_BR"].bool()
-        assert torch.all(out["rollout_logprobs_BR"][m].abs() < 1e-6), params
-    # top-k = 2: each sampled token had probability >= 1/2 or was the runner-up; log p is finite and
-    # at least as high as under the full distribution at the same temperature
+    # top-k = 2 at T=1: the recorded log-probs are the trainer's (the whole softmax), so the mismatch monitor, TIS
+    # and MIS see the engine's numerics only, not the kept mass (a truncated record differed by it on every token)
     torch.manual_seed(0)
     k2 = _generate(sess, top_k=2, temperature=1.0)
     m = k2["response_mask_BR"].bool()
     k2.update(sess.prompts.encode(sess.test_data.rows[:8], 4, "probe"))
     full = sess.groups["policy"].call_split("compute_logprobs", k2)["old_logprobs_BR"]
-    assert torch.all(torch.isfinite(k2["rollout_logprobs_BR"][m]))
-    assert torch.all(k2["rollout_logprobs_BR"][m] >= full[m] - 1e-5)
-    assert torch.any(k2["rollout_logprobs_BR"][m] > full[m] + 1e-3)  # renormalised over 2 tokens
+    torch.testing.assert_close(k2["rollout_logprobs_BR"][m], full[m], atol=1e-5, rtol=0)  # fp32, same weights
+    # not vacuous: some drawn token had well under all the mass, where a record renormalised over the two differs
+    assert full[m].min() < -0.1
     sess.close()
 
 

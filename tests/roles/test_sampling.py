@@ -38,13 +38,17 @@ def test_draw_with_all_mass_on_one_entry_and_uniform_rows():
     assert freq.min() > 0.0065 and freq.max() < 0.0135  # 1% each; 5 sigma is 0.35%
 
 
-def test_sample_next_is_seeded_and_records_the_drawn_distribution():
+def test_sample_next_is_seeded_and_records_the_trainers_log_prob_of_a_truncated_draw():
     logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(0))
     p = RolloutConfig(temperature=0.7, top_k=50, top_p=0.9)
     a = sample_next(logits, p, torch.Generator().manual_seed(3))
     b = sample_next(logits, p, torch.Generator().manual_seed(3))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    # the token is inside the top 50 and its log-prob is that of the renormalised, truncated distribution
+    # the token is inside the top 50, and its log-prob is the trainer's: softmax(logits / T) over the whole
+    # vocabulary, not the truncated distribution renormalised (higher by the log of the kept mass, every token)
     assert torch.all(logits.gather(1, a[0][:, None]) >= logits.topk(50, dim=-1).values[:, -1:])
     full = (logits / 0.7).log_softmax(-1).gather(1, a[0][:, None]).squeeze(1)
-    assert torch.all(a[1] > full) and torch.all(a[1] <= 0)
+    torch.testing.assert_close(a[1], full, atol=0, rtol=0)
+    untruncated = sample_next(logits, RolloutConfig(temperature=0.7), torch.Generator().manual_seed(3))
+    torch.testing.assert_close(untruncated[1], (logits / 0.7).log_softmax(-1).gather(1, untruncated[0][:, None])
+                               .squeeze(1), atol=0, rtol=0)

@@ -1,7 +1,11 @@
 """The next token: the distribution the rollout samples from (temperature, top-k, top-p) and one draw from it.
 
-`sample_next` is the HF engine's (and its multi-turn episodes') sampler; the log-probs it returns are those of
-exactly the distribution it drew from, which the trainer's importance ratios need.
+`sample_next` is the HF engine's (and its multi-turn episodes') sampler. The log-prob it returns for a token is
+the one the trainer computes for it, under softmax(logits / T), not under the top-k / top-p truncated and
+renormalised distribution it was drawn from: every consumer compares the two (the mismatch monitor, algo.rollout_is,
+async steps' old log-probs), and a truncated one differs on every token by the log of the kept mass (top_p=0.9:
+~0.1 a token; MIS then rejected every sequence and the alarm fired each step). The truncation is a sampling
+bias the loss does not model, as in TRL and verl; RL usually samples with top_p=1 and top_k=0, the defaults.
 
 `draw` is an inverse-CDF draw: one uniform per row, placed on the running sum of the probabilities.
 `torch.multinomial` instead draws an exponential per vocabulary entry, and a CPU generator makes ~50 M of them a
@@ -23,12 +27,13 @@ BELOW = 1 - 2 ** -40  # a total times this is below it, whatever float64 roundin
 def sample_next(logits_BV: torch.Tensor, p: RolloutConfig,
                 gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens drawn (from `gen`, or torch's RNG) from softmax(logits / T) restricted by top-k, then top-p
-    (greedy when T == 0), and their log-probs under exactly that distribution (under the plain softmax
-    when greedy)."""
+    (greedy when T == 0), and their log-probs under softmax(logits / T) before the restriction (the plain
+    softmax when greedy): what the trainer computes for them."""
     if p.temperature == 0:
         tok = logits_BV.argmax(-1)
         return tok, logits_BV.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
     scores = logits_BV / p.temperature if p.temperature != 1 else logits_BV
+    untruncated = scores
     if p.top_k and p.top_k < scores.shape[-1]:
         kth = scores.topk(p.top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -39,6 +44,8 @@ def sample_next(logits_BV: torch.Tensor, p: RolloutConfig,
         scores = scores.masked_fill(tail.scatter(-1, order, tail), float("-inf"))
     logp = scores.log_softmax(-1)
     tok = draw(logp.exp(), gen)
+    if scores is not untruncated:
+        logp = untruncated.log_softmax(-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 

@@ -3,8 +3,10 @@ whole run, with the policy's weights reloaded in place after every update.
 
 - Prompts go in as token ids (the engine never loads a tokenizer); each row is its own request with a
   seed drawn from the worker's torch RNG, so a resumed run draws the same samples.
-- Log-probs come back in vLLM's `processed_logprobs` mode: the distribution after temperature, top-k and
-  top-p, the one each token was drawn from — what the PPO ratio's denominator must be.
+- Log-probs come back in vLLM's `processed_logprobs` mode: after temperature, top-k and top-p. Without a cut
+  (top_p=1, top_k=0: RL's usual sampling) that is softmax(logits / T), the trainer's distribution, as the HF
+  engine records; with one it is renormalised over the tokens kept, so the config refuses a cut on vLLM beside
+  the mismatch monitor or algo.rollout_is, and run() beside async_rollout (each would compare the two).
 - Weight sync: the full state dict is written as safetensors into a directory in shared memory
   (/dev/shm) and `collective_rpc("reload_weights", weights_path=...)` loads it in place in every engine
   worker (vLLM's reload handles tensor-parallel shards and the CPU backend's repacked layouts).
