@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 # the same model sizes and work per step as the TRL comparison
-from vs_trl import GROUP, SIZES, data_overrides, model_dir
+from vs_trl import SIZES, data_overrides, model_dir
 
 BACKENDS = {"local": ["cluster.backend=local"], "ray": ["cluster.backend=ray"]}
 
@@ -41,11 +41,12 @@ def settings(cores: int, chosen: list[str]) -> dict[str, list[str]]:
 def trial(spec: dict) -> dict:
     """One session: warm-up steps, then timed steps (in this process)."""
     import rlbench_nb as rl
-    prompts, max_new, lr = (getattr(SIZES[spec["size"]], k) for k in ("prompts", "max_new", "lr"))
+    work = SIZES[spec["size"]]
     cfg = rl.Config.load(None, [
         f"run.dir={spec['run_dir']}", "run.tensorboard=false", "run.save_rollouts_every=0",
         f"model.path={spec['path']}",
-        f"data.batch_size={prompts}", f"rollout.n={GROUP}", f"rollout.max_new_tokens={max_new}", f"train.lr={lr}",
+        f"data.batch_size={work.prompts}", f"rollout.n={work.group}", f"rollout.max_new_tokens={work.max_new}",
+        f"train.lr={work.lr}",
         "task.num_test=8", *data_overrides(spec["size"]), *spec["overrides"]])
     with rl.Session(cfg) as sess:
         walls = []

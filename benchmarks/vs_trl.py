@@ -93,7 +93,6 @@ SIZES = {
     # (the format within ~16 here), so the two reward curves can be compared
     "smollm2-lora": Work("real", 4, 96, 3e-4, group=4, temperature=0.7, config="configs/gsm8k_smollm2_cpu.yaml"),
 }
-GROUP = 8  # the group size of every size but smollm2-lora (determinism.py's work)
 KL = {"none": 0.0, "k3": 0.04}  # --kl: the coefficient of the k3 KL loss (TRL's beta)
 
 

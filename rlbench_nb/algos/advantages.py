@@ -53,6 +53,14 @@ class _Groups:
         return scores_B - scores_B[self.first][self.index]
 
 
+def tied_share(scores_B: torch.Tensor, group_ids: Sequence) -> float:
+    """The share of groups whose scores are all equal (TRL's frac_reward_zero_std): the ones GRPO and RLOO give
+    an advantage of exactly 0, by the same test (every score equal to the group's first)."""
+    groups = _Groups(group_ids)
+    differs = groups.total((groups.shifted(scores_B.float()) != 0).float())
+    return (differs == 0).float().mean().item() if len(groups.first) else 0.0
+
+
 def grpo_advantages(scores_B: torch.Tensor, group_ids: Sequence, norm_by_std: bool = True,
                     eps: float = 1e-6) -> torch.Tensor:
     """GRPO outcome advantage (Shao et al. 2024, DeepSeekMath): (r - mean_group) / (std_group + eps).

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import torch
 
 from ..algos import masked_mean
+from ..algos.advantages import tied_share
 from ..data.batch import Batch, trained_tokens
 
 
@@ -90,19 +91,11 @@ def advantage_metrics(batch: Batch) -> dict:
     adv, mask = batch["advantages_BR"], trained_tokens(batch).float()
     out = {"advantage/mean": masked_mean(adv, mask).item(), "advantage/abs_max": (adv.abs() * mask).max().item()}
     if "scores_B" in batch and "group" in batch.meta:
-        out["advantage/tied_groups"] = tied_groups(batch["scores_B"].tolist(), batch.meta["group"])
+        # prompts that teach nothing this step; near 1, the prompts are too easy or too hard for the model
+        out["advantage/tied_groups"] = tied_share(batch["scores_B"], batch.meta["group"])
     if "values_BR" in batch:
         out["critic/values_mean"] = masked_mean(batch["values_BR"], mask).item()
     return out
-
-
-def tied_groups(scores: list[float], groups: list) -> float:
-    """The share of prompts whose samples all scored the same (TRL's frac_reward_zero_std): GRPO and RLOO give
-    them an advantage of 0, so they teach nothing this step; near 1, the prompts are too easy or too hard."""
-    seen: dict = {}
-    for score, group in zip(scores, groups):
-        seen.setdefault(group, set()).add(score)
-    return sum(len(s) == 1 for s in seen.values()) / max(len(seen), 1)
 
 
 def total_tokens(batch: Batch) -> float:

@@ -200,6 +200,8 @@ def test_the_prepare_metrics_count_the_tied_groups():
                    "response_mask_BR": torch.ones(12, 3, dtype=torch.long)}, {"group": groups})
     m = advantage_metrics(batch)
     assert m["advantage/tied_groups"] == pytest.approx(2 / 3)
+    # the same test the advantages use: exactly the tied groups got 0 (a and c), b did not
+    assert adv[[0, 3, 6, 9, 2, 5, 8, 11]].eq(0).all() and adv[[1, 4, 7, 10]].ne(0).all()
     assert m["advantage/abs_max"] == pytest.approx(adv.abs().max().item()) and adv.abs().max() > 0.5
 
 
