@@ -9,7 +9,9 @@ Each measure runs in a fresh Python process (imports included, as a new kernel o
 - `attach`: on a running Ray head, a controller with detached actors takes a step and is killed (SIGKILL);
   a new process runs `rl.Session.attach(name)` and one `step()`: split into imports, attach, the step;
 - `warm`: on the warm cluster of `rlbench-nb up` (cluster/warm.py), a new process's `rl.Session(cfg)` with no
-  address (it joins that cluster and takes warm processes) until the first rollout is back: a new kernel's start.
+  address (it joins that cluster and takes warm processes) until the first rollout is back: a new kernel's start;
+- `warm kernel`: the same cell in a Jupyter kernel of the rlbench-nb kernelspec, which `up`'s warm kernel server
+  forks with torch, transformers, Ray and the session imported (kernel_server.py), timed from asking for the kernel.
 The tiny config of the vs-TRL work (8 prompts x 8 samples, <= 8 new tokens), one thread per actor.
 
 Beside each, its **floor**, measured the same way in the same run: what any program must pay to reach the same
@@ -18,7 +20,8 @@ point with the same processes and nothing of ours in between —
   reward) that imports torch and transformers, builds the same model and runs one forward, all side by side;
 - attach: the imports, `ray.init(address=...)` to the running head, and one call on an actor already there;
 - warm: that attach floor on the warm cluster, and a controller floor: the same plus what any controller that holds
-  tensors and tokenises prompts imports and loads (torch, and the task's tokenizer by its class).
+  tensors and tokenises prompts imports and loads (torch, and the task's tokenizer by its class);
+- warm kernel: a plain ipykernel started the same way, running the attach floor's imports, connect and call.
 Every child, the floors' too, first puts off rfc3987_syntax's import as rlbench_nb.cluster does (fast_imports.py:
 ~2.5 s of `import ray` here otherwise), so a floor is not slower by what ours saves with a trick anyone could use.
 The ratio (ours / floor) is what carries from one machine to another; absolute seconds do not.
@@ -173,10 +176,77 @@ def warm(root: Path, reps: int, tokenizer: tuple[str, str]) -> list[dict]:
                                                                     *tokenizer], root / f"floor-c-{rep}.json")})
             rows.append({"what": "warm", **child(["embedded", *TINY, f"run.dir={root / f'warm-{rep}'}"],
                                                  root / f"warm-{rep}.json"), "up": up.stdout})
+            # Jupyter kernels: a plain ipykernel running the attach floor's cell, then one of the rlbench-nb
+            # kernelspec (forked from the warm kernel server) running `Session(cfg)` to its first rollout
+            rows.append({"what": "kernel: attach floor", **in_kernel("plain", KERNEL_FLOOR.format(address=address))})
+            subprocess.run([cli, "up"], check=True, capture_output=True, timeout=600)  # spares back, ready
+            rows.append({"what": "warm kernel", **in_kernel("rlbench-nb", KERNEL_SESSION.format(
+                overrides=[*TINY, f"run.dir={root / f'kernel-{rep}'}"]))})
     finally:
         subprocess.run([cli, "down"], capture_output=True, timeout=120)
         os.environ.pop("RLBENCH_NB_HOME")
     return rows
+
+
+KERNEL_FLOOR = """
+import time
+t0 = time.time()
+from rlbench_nb.fast_imports import defer_rfc3987_syntax
+defer_rfc3987_syntax()
+import os, transformers, rlbench_nb
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+import ray
+t1 = time.time()
+ray.init(address="{address}", namespace="startup-floor", log_to_driver=False)
+t2 = time.time()
+ray.get(ray.get_actor("startup-resident").ping.remote())
+t3 = time.time()
+print(t0, t1, t2, t3)
+"""
+KERNEL_SESSION = """
+import time
+t0 = time.time()
+import transformers, rlbench_nb as rl
+transformers.logging.disable_progress_bar()
+t1 = time.time()
+sess = rl.Session(rl.Config.load(None, {overrides!r}))
+t2 = time.time()
+sess.rollout()
+t3 = time.time()
+print(t0, t1, t2, t3)
+"""
+
+
+def in_kernel(spec: str, cell: str) -> dict:
+    """A Jupyter kernel of `spec` started as Jupyter starts one, then `cell`: imports = from asking for the kernel
+    to the cell's imports done (the kernel's own start included), session and work as the cell times them."""
+    from jupyter_client.manager import start_new_kernel
+    asked = time.time()
+    km, kc = start_new_kernel(kernel_name=spec)
+    try:
+        out = []
+        reply = kc.execute_interactive(cell, timeout=600,
+                                       output_hook=lambda m: out.append(m["content"].get("text", "")))
+        assert reply["content"]["status"] == "ok", reply["content"]
+        t0, t1, t2, t3 = map(float, "".join(out).split()[-4:])
+        kc.execute_interactive("sess.close()" if "sess" in cell else "ray.shutdown()", timeout=120)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    return {"imports_s": t1 - asked, "session_s": t2 - t1, "work_s": t3 - t2, "kernel_start_s": t0 - asked}
+
+
+def kernelspecs(root: Path) -> None:
+    """The rlbench-nb kernelspec (kernel_launcher.py) and a plain ipykernel one, where this process's Jupyter
+    client finds them."""
+    from rlbench_nb.kernelspec import install, kernel_json
+    install(prefix=str(root / "jupyter"))
+    plain = root / "jupyter" / "share" / "jupyter" / "kernels" / "plain"
+    plain.mkdir(parents=True)
+    spec = kernel_json("plain", None)
+    spec["argv"] = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    (plain / "kernel.json").write_text(json.dumps(spec))
+    os.environ["JUPYTER_PATH"] = str(root / "jupyter" / "share" / "jupyter")
 
 
 def ray_head() -> tuple[subprocess.Popen, str]:
@@ -227,6 +297,7 @@ def main():
         from rlbench_nb.data.tasks import load_task
         from rlbench_nb.prompts import load_tokenizer
         model_dir = str(load_task(rl.Config.load(None, TINY)).model_dir)
+        kernelspecs(root)
         rows += warm(root, args.reps, (model_dir, type(load_tokenizer(model_dir)).__name__))
     table(rows, args.reps)
     if args.json:
@@ -252,18 +323,22 @@ def table(rows: list[dict], reps: int) -> None:
     print(f"\nstart-up, median of {reps} (fresh processes; tiny config, Ray, one thread per actor; {machine()})")
     print(f"{'what':<22} {'imports s':>9} {'session s':>9} {'work s':>7} {'total s':>8} {'x floor':>8}   "
           "session = Session() / attach / the floor's ray.init; work = first rollout / first step / the floor's call;"
-          " warm: x its attach floor / x its controller floor")
+          " warm: x its attach floor / x its controller floor; kernels: imports = from asking Jupyter for a kernel to"
+          " the cell's imports done; warm kernel: x the kernel attach floor / x the process attach floor")
     kinds = [w for w in ("embedded", "embedded floor", "attach", "attach floor", "warm", "warm: attach floor",
-                         "warm: controller floor") if any(r["what"] == w for r in rows)]
+                         "warm: controller floor", "warm kernel", "kernel: attach floor")
+             if any(r["what"] == w for r in rows)]
     med = {w: {k: statistics.median(r[k] for r in rows if r["what"] == w) for k in ("imports_s", "session_s", "work_s")}
            for w in kinds}
     total = {w: statistics.median(r["imports_s"] + r["session_s"] + r["work_s"] for r in rows if r["what"] == w)
              for w in kinds}
     for w in kinds:
-        floor = {"warm": "warm: attach floor"}.get(w, w + " floor")
+        floor = {"warm": "warm: attach floor", "warm kernel": "kernel: attach floor"}.get(w, w + " floor")
         ratio = "" if w.endswith("floor") else f"{total[w] / total[floor]:.2f}"
         if w == "warm":
             ratio += f" / {total[w] / total['warm: controller floor']:.2f}"
+        if w == "warm kernel":  # and against the process attach floor above, as the warm row
+            ratio += f" / {total[w] / total['warm: attach floor']:.2f}"
         print(f"{w:<22} {med[w]['imports_s']:>9.1f} {med[w]['session_s']:>9.1f} {med[w]['work_s']:>7.2f} "
               f"{total[w]:>8.1f} {ratio:>11}")
 

@@ -243,16 +243,21 @@ def up(argv: list[str]) -> int:
                    help="stop after this many minutes with no session connected (0: never; default 30)")
     p.add_argument("--refill-after", type=float, default=30.0, metavar="S",
                    help="seconds after a session takes warm processes before replacements start (default 30)")
+    p.add_argument("--no-kernels", action="store_true", help="no warm kernel server (by default kernels of the "
+                   "rlbench-nb kernelspec fork from a process with torch, transformers, Ray and the session imported)")
     args = p.parse_args(argv)
     from .cluster import warm
-    st = warm.up(args.cpus, args.warm, args.idle_timeout * 60, args.refill_after)
+    st = warm.up(args.cpus, args.warm, args.idle_timeout * 60, args.refill_after, kernels=not args.no_kernels)
     rss = [w["rss_gb"] for w in st["warm"] if "rss_gb" in w]
     each = f", {sum(rss) / len(rss):.2f} GB resident each" if rss else ""
     stops = (f"stops after {st['idle_timeout_s'] / 60:g} minutes with no session connected, or `rlbench-nb down`"
              if st["idle_timeout_s"] else "stops with `rlbench-nb down`")
     pids = f" (pids {', '.join(str(w['pid']) for w in st['warm'])})" if st["warm"] else ""
+    kernels = (f"warm kernels: the rlbench-nb kernelspec's kernels fork from pid {st['kernel_server']} "
+               "(`rlbench-nb kernel install`)" if st["kernel_server"] else "warm kernels: off")
     print(f"warm cluster at {st['address']} (head pid {st['head_pid']})\n  spare processes: {st['spare']} of "
-          f"{st['spare_target']}{pids}{each}\n  runs on it: {', '.join(st['runs']) or 'none'}\n  {stops}", flush=True)
+          f"{st['spare_target']}{pids}{each}\n  runs on it: {', '.join(st['runs']) or 'none'}\n  {kernels}\n  {stops}",
+          flush=True)
     return 0
 
 

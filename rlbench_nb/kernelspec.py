@@ -18,7 +18,8 @@ def kernel_json(display_name: str, ray_address: str | None) -> dict:
     if ray_address:
         env["RAY_ADDRESS"] = ray_address  # ray.init() with no address joins this cluster
     return {
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
+        # kernel_launcher.py: forked from the warm kernel server of `rlbench-nb up` when one runs, else plain ipykernel
+        "argv": [sys.executable, "-m", "rlbench_nb.kernel_launcher", "-f", "{connection_file}",
                  "--IPKernelApp.extensions=rlbench_nb"],
         "display_name": display_name,
         "language": "python",

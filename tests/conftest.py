@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,24 @@ def small_cfg(tmp_path):
     def make(*overrides: str, path: str | None = None):
         return Config.load(path, [f"run.dir={tmp_path / 'runs'}", *SMALL, *overrides])
     return make
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def wait_until(predicate, timeout: float, every: float = 0.2) -> bool:
+    """Whether `predicate()` came true within `timeout` seconds (asked every `every` s, and once more at the end)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(every)
+    return predicate()
 
 
 def assert_rollout_holds_policy_weights(sess) -> None:

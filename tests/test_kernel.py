@@ -20,6 +20,7 @@ def test_kernel_install_is_listed_and_starts_with_the_extension(tmp_path, monkey
     specs = json.loads(listed.stdout)["kernelspecs"]
     spec = specs["rlbench-nb"]["spec"]
     assert spec["display_name"] == "Python (rlbench-nb)" and spec["argv"][0] == sys.executable
+    assert spec["argv"][1:3] == ["-m", "rlbench_nb.kernel_launcher"]  # warm when `rlbench-nb up` runs, else plain
     assert spec["env"]["RAY_ADDRESS"] == "127.0.0.1:6379"
 
     from jupyter_client.manager import start_new_kernel

@@ -5,6 +5,9 @@ start-up floor (starting Ray, and each role's process importing torch and transf
     rl.Session(cfg)                 # cluster.backend=ray, no address: joins it and takes warm processes
     rlbench-nb down                 # stops it (every run's actors on it with it; run directories stay)
 
+`up` also starts the warm kernel server (kernel_server.py): kernels of the rlbench-nb kernelspec are forked from a
+process that has imported torch, transformers, Ray and the session already; it stops with the cluster.
+
 `up` writes where the head is to $RLBENCH_NB_HOME/cluster.json (default ~/.rlbench-nb); `Session()` with
 `cluster.backend=ray` and no `cluster.address` (nor $RAY_ADDRESS) joins the head named there, when it answers,
 instead of starting an embedded one. The keeper (keeper.py) hands each rank that fits a warm process (a role on
@@ -57,14 +60,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def up(cpus: int = 0, spare: int = 4, idle_timeout_s: float = 1800.0, refill_after_s: float = 30.0) -> dict:
-    """Start the head (a `ray start --head --block` of its own, in its own session: it outlives this process)
-    and the keeper; return the keeper's status once the warm processes are ready. Already up: its status."""
+def up(cpus: int = 0, spare: int = 4, idle_timeout_s: float = 1800.0, refill_after_s: float = 30.0,
+       kernels: bool = True) -> dict:
+    """Start the head (a `ray start --head --block` of its own, in its own session: it outlives this process),
+    the keeper and (`kernels`) the warm kernel server; return the keeper's status once the warm processes are
+    ready, with the kernel server's pid. Already up: its status (and a kernel server started if none runs)."""
     if running() is None:
         _start_head(cpus)
     record = running()
     if record is None:
         raise ClusterError(f"rlbench-nb up: the Ray head stopped right after it started; see {home() / 'head.log'}")
+    kernel_server = _start_kernel_server() if kernels else None
     if "ray" not in sys.modules:  # a driver joining a token-protected head must say so before ray is imported
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
@@ -76,9 +82,39 @@ def up(cpus: int = 0, spare: int = 4, idle_timeout_s: float = 1800.0, refill_aft
             keeper = ray.remote(Keeper).options(name=KEEPER_NAME, namespace=WARM_NAMESPACE, lifetime="detached",
                                                 num_cpus=0, max_concurrency=4).remote(
                 spare, idle_timeout_s, refill_after_s, record["head_pid"], str(_info_path()))
-        return {**record, **ray.get(keeper.status.remote(wait=True))}
+        status = ray.get(keeper.status.remote(wait=True))
     finally:
         ray.shutdown()
+    return {**record, **status, "kernel_server": _kernel_server_ready(kernel_server) if kernels else None}
+
+
+def _start_kernel_server():
+    """The warm kernel server's process, started unless one runs (then its pid): its imports overlap the keeper's."""
+    from ..kernel_server import server_pid
+    pid = server_pid(home())
+    if pid is not None:
+        return pid
+    # without the RAY_AUTH_MODE=token that rlbench_nb.cluster's import set here: the server's own import sets it
+    # again, as a kernel's would, so kernels from a Jupyter without it are not refused for it (kernel_server.py)
+    env = {k: v for k, v in os.environ.items() if (k, v) != ("RAY_AUTH_MODE", "token")}
+    with (home() / "kernels.log").open("w") as log:  # in its own session, from a folder of no project
+        return subprocess.Popen([sys.executable, "-m", "rlbench_nb.kernel_server"], cwd=home(), stdout=log, env=env,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _kernel_server_ready(started, timeout_s: float = 300.0) -> int:
+    """The kernel server's pid once it listens; its log's end when it stopped first."""
+    from ..kernel_server import server_pid
+    if isinstance(started, int):
+        return started
+    deadline = time.time() + timeout_s
+    while server_pid(home()) != started.pid:
+        if started.poll() is not None or time.time() > deadline:
+            started.kill()
+            raise ClusterError("rlbench-nb up: the warm kernel server did not start; its log "
+                               f"({home() / 'kernels.log'}) ends:\n" + (home() / "kernels.log").read_text()[-2000:])
+        time.sleep(0.2)
+    return started.pid
 
 
 def _start_head(cpus: int) -> None:
@@ -112,8 +148,18 @@ def down(timeout_s: float = 60.0) -> dict | None:
     if record is None:
         return None
     _info_path().unlink(missing_ok=True)
+    _stop_kernel_server()
     _stop_head(record["head_pid"], Path(record["temp_dir"]), timeout_s)
     return record
+
+
+def _stop_kernel_server() -> None:
+    """SIGTERM to the kernel server (it also stops by itself within seconds once the cluster's record is gone);
+    kernels it forked keep running: they are the user's, and Jupyter stops them."""
+    from ..kernel_server import server_pid
+    pid = server_pid(home())
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)
 
 
 def _stop_head(pid: int, temp_dir: Path, timeout_s: float = 60.0) -> None:

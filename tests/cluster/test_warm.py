@@ -8,14 +8,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from rlbench_nb.metrics import read_jsonl
 
-from ..conftest import REPO, SMALL
+from ..conftest import REPO, SMALL, alive, wait_until
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.integration  # the second stage: see pyproject.toml's markers
@@ -30,14 +29,6 @@ transformers.logging.disable_progress_bar()
 import rlbench_nb as rl
 
 mode, out = sys.argv[1], sys.argv[2]
-if mode == "attach":  # a new kernel picks the detached run up: no address given, the warm cluster is found
-    sess = rl.Session.attach(sys.argv[3])
-    before = sess.step_count
-    sess.step()
-    json.dump({"before": before, "after": sess.step_count, "pids": [g.info[0]["pid"] for g in sess.groups.values()]},
-              open(out, "w"))
-    sess.close()
-    sys.exit(0)
 sess = rl.Session(rl.Config.load(None, sys.argv[3:]))  # cluster.backend=ray, no address
 pids = {role: g.info[0]["pid"] for role, g in sess.groups.items()}
 steps = 2 if mode == "detached" else 0
@@ -56,21 +47,42 @@ def _kernel(tmp_path, mode: str, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
-def _alive(pid: int) -> bool:
+# a cell of a Jupyter kernel of the rlbench-nb kernelspec (forked from the warm kernel server: its parent): a new kernel
+# picks the detached run up, no address given, the warm cluster is found
+ATTACH = """
+import json, os, sys
+forked = {{"parent": os.getppid(), "cwd": os.getcwd()}}
+import rlbench_nb as rl
+sess = rl.Session.attach("{name}")
+before = sess.step_count
+sess.step()
+print(json.dumps({{**forked, "before": before, "after": sess.step_count,
+                  "pids": [g.info[0]["pid"] for g in sess.groups.values()]}}))
+sess.close()
+"""
+
+
+def _jupyter_kernel(tmp_path, code: str, server: int) -> dict:
+    """`code` in a kernel Jupyter starts from the rlbench-nb kernelspec (kernel_launcher.py; its interrupt and kill
+    are tests/test_kernel_server.py's): the JSON line it prints last."""
+    from jupyter_client.manager import start_new_kernel
+
+    from rlbench_nb.kernelspec import install
+    install(prefix=str(tmp_path / "jupyter"))
+    os.environ["JUPYTER_PATH"] = str(tmp_path / "jupyter" / "share" / "jupyter")
+    km, kc = start_new_kernel(kernel_name="rlbench-nb", cwd=str(tmp_path))
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def _wait(predicate, timeout: float) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.5)
-    return predicate()
+        out = []
+        reply = kc.execute_interactive(code, timeout=240,
+                                       output_hook=lambda m: out.append(m["content"].get("text", "")))
+        assert reply["content"]["status"] == "ok", reply["content"]
+        result = json.loads("".join(out).strip().splitlines()[-1])
+        assert result["parent"] == server and result["cwd"] == str(tmp_path), result
+        return result
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        os.environ.pop("JUPYTER_PATH")
 
 
 # Cost ~2.5 min: `up` (a Ray head, three processes importing torch + transformers), three kernels (six warm processes
@@ -85,9 +97,10 @@ def test_kernels_take_warm_processes_and_the_cluster_stops_when_idle(tmp_path):
                             capture_output=True, text=True, timeout=300, env=env)
         assert up.returncode == 0, up.stderr[-3000:]
         assert "spare processes: 3 of 3 (pids " in up.stdout and "GB resident each" in up.stdout, up.stdout
+        assert "warm kernels: the rlbench-nb kernelspec's kernels fork from pid" in up.stdout, up.stdout
         info = json.loads((home / "cluster.json").read_text())
         warm_pids = {int(p) for p in up.stdout.split("(pids ")[1].split(")")[0].split(", ")}
-        assert len(warm_pids) == 3 and all(_alive(p) for p in warm_pids), up.stdout
+        assert len(warm_pids) == 3 and all(alive(p) for p in warm_pids), up.stdout
 
         args = [*CONFIG, f"run.dir={tmp_path / 'runs'}", "cluster.backend=ray"]
         first = _kernel(tmp_path, "detached", *args, "cluster.detached=true")
@@ -96,19 +109,21 @@ def test_kernels_take_warm_processes_and_the_cluster_stops_when_idle(tmp_path):
         again = subprocess.run([CLI, "up"], capture_output=True, text=True, timeout=120, env=env)
         assert f"runs on it: {first['name']}" in again.stdout, again.stdout  # already up: what it holds
 
-        attached = _kernel(tmp_path, "attach", first["name"])
+        server = json.loads((home / "kernels.json").read_text())["pid"]
+        attached = _jupyter_kernel(tmp_path, ATTACH.format(name=first["name"]), server)
         assert attached["before"] == 2 and attached["after"] == 3
         assert set(attached["pids"]) == warm_pids  # found through the keeper: the same processes, same weights
-        assert _wait(lambda: not any(_alive(p) for p in warm_pids), 30)  # closed: its processes are gone
+        assert wait_until(lambda: not any(alive(p) for p in warm_pids), 30)  # closed: its processes are gone
 
         killed = _kernel(tmp_path, "killed", *args)  # refilled spares; its kernel dies without closing
         taken = set(killed["pids"].values())
         assert len(taken) == 3 and not taken & warm_pids
-        assert _wait(lambda: not any(_alive(p) for p in taken), 30), "a dead kernel's processes were not reaped"
+        assert wait_until(lambda: not any(alive(p) for p in taken), 30), "a dead kernel's processes were not reaped"
 
         # no kernel connected for 15 s: the keeper stops the whole cluster and removes its record
-        assert _wait(lambda: not (home / "cluster.json").exists(), 120)
-        assert _wait(lambda: not _cluster_processes(info["temp_dir"]), 60), _cluster_processes(info["temp_dir"])
+        assert wait_until(lambda: not (home / "cluster.json").exists(), 120)
+        assert wait_until(lambda: not _cluster_processes(info["temp_dir"]), 60), _cluster_processes(info["temp_dir"])
+        assert wait_until(lambda: not alive(server), 30), "the warm kernel server outlived its cluster"
         down = subprocess.run([CLI, "down"], capture_output=True, text=True, timeout=60, env=env)
         assert "no warm cluster is up" in down.stdout
         rows = [r for r in read_jsonl(Path(first["run_dir"]) / "metrics.jsonl") if "reward/mean" in r]
