@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import sys
 from pathlib import Path
 
@@ -29,6 +30,11 @@ def socket_path() -> Path:
     return Path(os.environ.get("RLBENCH_NB_HOME") or Path.home() / ".rlbench-nb") / "kernels.sock"
 
 
+def peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket."""
+    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+
+
 def request(argv: list[str]) -> dict:
     return {"prefix": sys.prefix, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}
 
@@ -36,8 +42,12 @@ def request(argv: list[str]) -> dict:
 def ask(argv: list[str]) -> tuple[socket.socket, int] | str:
     """A forked kernel's (connection, pid), or why there is none."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.settimeout(30)  # a server stopped or busy past this: a plain kernel instead
     try:
         conn.connect(str(socket_path()))
+        if peer_uid(conn) != os.getuid():  # our environment and stdio go to no one else's process
+            conn.close()
+            return f"the socket {socket_path()} belongs to another user"
         socket.send_fds(conn, [json.dumps(request(argv)).encode()], [0, 1, 2])  # the kernel writes where we do
         reply = json.loads(conn.recv(MESSAGE_BYTES) or b'{"refused": "the kernel server closed the connection"}')
     except OSError as e:
@@ -50,23 +60,23 @@ def ask(argv: list[str]) -> tuple[socket.socket, int] | str:
 
 
 def stand_in(conn: socket.socket, pid: int) -> int:
-    """Forward Jupyter's signals to the kernel until it says it exited (or its end closes): its exit code."""
+    """Forward Jupyter's signals to the kernel's process group (as Jupyter signals a plain kernel's) until it says
+    it exited (or its end closes): its exit code."""
     def forward(signum, _frame):
         try:
-            os.kill(pid, signum)
+            os.killpg(pid, signum)  # the kernel leads its own group (kernel_server.become_kernel)
         except ProcessLookupError:
             pass
     for signum in FORWARDED:
         signal.signal(signum, forward)
-    # as ipykernel's own parent poll: a kernel ends with the Jupyter process that started it (then so does this)
-    jupyter = int(os.environ.get("JPY_PARENT_PID") or 0)
-    jupyter = jupyter if jupyter > 1 and os.getppid() == jupyter else 0
+    # as ipykernel's own parent poll: a kernel ends with the process that started it (Jupyter), unless that was init
+    parent = os.getppid()
     conn.settimeout(1.0)
     while True:
         try:
             message = conn.recv(MESSAGE_BYTES)  # a forwarded signal does not end the wait (PEP 475 retries)
         except TimeoutError:
-            if jupyter and os.getppid() != jupyter:
+            if parent != 1 and os.getppid() != parent:
                 return 1  # our end closes: the kernel's watch ends it
             continue
         return int(json.loads(message)["exit"]) if message else 1  # closed without a word: it was killed

@@ -65,22 +65,27 @@ def test_a_kernel_forks_from_the_server_takes_interrupts_and_ends_with_its_launc
             pid, parent, cwd, mine, path0 = json.loads(_run(kc, WHERE))
             assert parent == server.pid and pid != km.provisioner.pid  # the server's child; the launcher stands in
             assert cwd == str(tmp_path) and mine == "7" and path0 == ""  # the launcher's folder and environment
-            kc.execute("import time; time.sleep(120)")
+            kc.execute("import time; time.sleep(120)", stop_on_error=False)  # the next cell is not aborted after it
             time.sleep(1.0)
             km.interrupt_kernel()  # Jupyter signals the launcher's process group; the launcher forwards it
             interrupted = kc.get_shell_msg(timeout=30)["content"]
             assert interrupted["status"] == "error" and interrupted["ename"] == "KeyboardInterrupt", interrupted
             assert _run(kc, "print(6 * 7)") == "42"  # still the same kernel, working
+            child = int(_run(kc, "import subprocess; p = subprocess.Popen(['sleep', '300']); print(p.pid)"))
             os.kill(km.provisioner.pid, signal.SIGKILL)
             assert wait_until(lambda: not alive(pid), 15), "a kernel outlived its killed launcher"
+            assert wait_until(lambda: not alive(child), 15), "a process the kernel started outlived it"
         finally:
             kc.stop_channels()
             km.shutdown_kernel(now=True)
         km, kc = start_new_kernel(kernel_name="rlbench-nb", cwd=str(tmp_path))
-        pid = int(_run(kc, "import os; print(os.getpid())"))
+        pid = int(_run(kc, "import atexit, os, pathlib; atexit.register(pathlib.Path('atexit-ran').touch); "
+                           "print(os.getpid())"))
         kc.stop_channels()
-        km.shutdown_kernel()  # Jupyter's own shutdown: the kernel exits, and its launcher with its exit code
-        assert wait_until(lambda: not alive(pid), 15)
+        km.shutdown_kernel()  # Jupyter's own shutdown: the kernel exits as an interpreter does, its launcher with it
+        assert wait_until(lambda: not alive(pid), 15) and (tmp_path / "atexit-ran").exists()
+        second = subprocess.run([sys.executable, "-c", SERVER], cwd=home, capture_output=True, text=True, timeout=60)
+        assert "a kernel server already runs" in second.stdout  # one per home: the lock
         # a Jupyter that dies without shutting its kernel down: the kernel ends too, as a plain one would
         jupyter = subprocess.run([sys.executable, "-c", JUPYTER_DIES, str(tmp_path)], capture_output=True, text=True,
                                  timeout=120)
@@ -126,5 +131,17 @@ def test_refusals_name_the_setting_and_what_to_do(monkeypatch):
     assert pre.refusal({**ok, "env": {**ok["env"], "HF_HOME": "/b"}}).startswith("HF_HOME differs")
     assert pre.refusal({**ok, "env": {**ok["env"], "OMP_NUM_THREADS": "1"}}).startswith("OMP_NUM_THREADS differs")
     assert pre.refusal({**ok, "env": {k: v for k, v in ok["env"].items() if k != "HF_HOME"}}).startswith("HF_HOME")
+    assert pre.refusal({**ok, "env": {**ok["env"], "HOME": "/elsewhere"}}).startswith("HOME differs")
+    assert pre.refusal({**ok, "env": {**ok["env"], "LC_ALL": "C"}}).startswith("LC_ALL differs")
     monkeypatch.setattr(kernel_server, "source_stamp", lambda: [("session.py", 1, 2)])
-    assert "source changed" in pre.refusal(ok)
+    assert "source or the installed packages changed since" in pre.refusal(ok)
+
+
+def test_the_stamp_sees_a_package_installed_or_removed(tmp_path, monkeypatch):
+    site_packages = tmp_path / "site-packages"
+    site_packages.mkdir()
+    monkeypatch.setattr(kernel_server.site, "getsitepackages", lambda: [str(site_packages)])
+    before = kernel_server.source_stamp()
+    time.sleep(0.01)
+    (site_packages / "newpkg-1.0.dist-info").mkdir()  # what `pip install` leaves
+    assert kernel_server.source_stamp() != before

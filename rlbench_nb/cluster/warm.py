@@ -108,7 +108,9 @@ def _kernel_server_ready(started, timeout_s: float = 300.0) -> int:
     if isinstance(started, int):
         return started
     deadline = time.time() + timeout_s
-    while server_pid(home()) != started.pid:
+    while (pid := server_pid(home())) != started.pid:
+        if pid is not None and started.poll() is not None:
+            return pid  # another `up` started one first: ours found its lock taken and left
         if started.poll() is not None or time.time() > deadline:
             started.kill()
             raise ClusterError("rlbench-nb up: the warm kernel server did not start; its log "

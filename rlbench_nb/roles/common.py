@@ -37,6 +37,20 @@ def load_causal_lm(path: str, dtype: str, device: torch.device, attention: str):
     return model.to(device)
 
 
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Every dropout of a trained model at 0 (TRL's disable_dropout): a trainer stays in training mode, where dropout
+    would make prepare's no-grad log-probs and values noise, and the update's ratio against them other than 1 on
+    the same weights. The dropout modules (GPT-2, OPT) and the probabilities attention layers keep as numbers
+    (Llama's attention_dropout); LoRA's own dropout is added after, as model.lora.dropout says."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    return model
+
+
 def make_adamw(params, lr: float, betas, weight_decay: float, sharded: bool) -> torch.optim.AdamW:
     """AdamW; the fused kernel (one pass over all tensors, the same math) for plain tensors, as TRL and HF
     Trainer use by default. FSDP2's DTensor shards keep torch's default implementation."""

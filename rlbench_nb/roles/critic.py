@@ -14,7 +14,7 @@ from ..metrics.memory import memory_snapshot
 from ..ops.attention import load_model
 from . import distributed as dist_util
 from . import shards
-from .common import DTYPES, full_sequences, make_adamw, pick_device, response_hidden_slice
+from .common import DTYPES, disable_dropout, full_sequences, make_adamw, pick_device, response_hidden_slice
 from .packing import SEQUENCE_FIELDS, micro_batches, pack_sequences, packs
 from .snapshots import SnapshotHolder
 from .trainer import adam_steps, optimizer_steps
@@ -50,6 +50,7 @@ class CriticWorker(SnapshotHolder):
         # from_pretrained leaves the backbone in eval mode, and transformers checkpoints activations only in
         # training mode: without this, train.activation_checkpointing kept every activation of the critic
         self.model.train()
+        disable_dropout(self.model)  # its values in prepare and in the update: the same numbers on the same weights
         if cfg.train.activation_checkpointing:
             self.model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.sharded = dist_util.shard(self.model, self.device, compute_dtype=compute)

@@ -20,6 +20,7 @@ from . import shards, tinker_ops
 from .common import (
     DTYPES,
     copy_tokenizer_files,
+    disable_dropout,
     load_causal_lm,
     make_adamw,
     pick_device,
@@ -47,6 +48,8 @@ class ReferenceWorker:
         # a trainer keeps fp32 master weights and computes in model.dtype; a frozen model just holds model.dtype
         self.model = load_causal_lm(model_dir, "float32" if self.trains else cfg.model.dtype, self.device,
                                     cfg.model.attention)
+        if self.trains:  # it stays in training mode, where its no-grad passes would sample dropout noise
+            disable_dropout(self.model)
         self.lora = cfg.model.lora if self.trains and cfg.model.lora.r else None
         if self.lora:  # adapters only train; the base stays frozen (and is the reference: reference_logprobs)
             self.model = lora_util.add_adapters(self.model, self.lora, cfg.run.seed)

@@ -51,7 +51,7 @@ def _kernel(tmp_path, mode: str, *args: str) -> dict:
 # picks the detached run up, no address given, the warm cluster is found
 ATTACH = """
 import json, os, sys
-forked = {{"parent": os.getppid(), "cwd": os.getcwd()}}
+forked = {{"parent": os.getppid(), "cwd": os.getcwd(), "path": sys.path}}
 import rlbench_nb as rl
 sess = rl.Session.attach("{name}")
 before = sess.step_count
@@ -78,6 +78,8 @@ def _jupyter_kernel(tmp_path, code: str, server: int) -> dict:
         assert reply["content"]["status"] == "ok", reply["content"]
         result = json.loads("".join(out).strip().splitlines()[-1])
         assert result["parent"] == server and result["cwd"] == str(tmp_path), result
+        # sys.path as a plain kernel's: '' (the kernel's folder), not the server's (`python -m` put it there)
+        assert "" in result["path"] and os.environ["RLBENCH_NB_HOME"] not in result["path"], result["path"]
         return result
     finally:
         kc.stop_channels()

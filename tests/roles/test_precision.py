@@ -219,3 +219,34 @@ def test_the_critics_activation_checkpointing_recomputes_its_layers(small_cfg):
         sess.close()
     assert calls[True] == 2 * calls[False] > 0
     _assert_grads_close(grads[True], grads[False])
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_trained_model_keeps_no_dropout_so_its_no_grad_passes_repeat(small_cfg, tmp_path, arch):
+    """A model whose config has dropout (GPT-2's dropout modules; Llama's attention_dropout, a number its attention
+    reads): the policy stays in training mode, and its log-probs were dropout noise, unlike the engine's and unlike
+    themselves. Now twice the same, and the same as in eval mode; the critic's likewise holds no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from rlbench_nb.roles.policy import PolicyWorker
+    torch.manual_seed(0)
+    model = (GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                        resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3)) if arch == "gpt2" else
+             LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=2, attention_dropout=0.3)))
+    model.save_pretrained(tmp_path / arch)
+    cfg = small_cfg("model.attention=eager")  # eager: the attention path that applies attention_dropout
+    policy = PolicyWorker(cfg, str(tmp_path / arch))
+    assert policy.model.training
+    g = torch.Generator().manual_seed(1)
+    batch = Batch({"prompt_ids_BP": torch.randint(1, 64, (4, 6), generator=g), "prompt_mask_BP": torch.ones(4, 6),
+                   "response_ids_BR": torch.randint(1, 64, (4, 5), generator=g), "response_mask_BR": torch.ones(4, 5)})
+    first, again = (policy.compute_logprobs(batch)["old_logprobs_BR"] for _ in range(2))
+    policy.model.eval()
+    evaluated = policy.compute_logprobs(batch)["old_logprobs_BR"]
+    assert torch.equal(first, again) and torch.equal(first, evaluated)
+    from rlbench_nb.roles.critic import CriticWorker
+    critic = CriticWorker(cfg, str(tmp_path / arch)).model  # its values in prepare and the update: no dropout either
+    assert critic.training and not [m for m in critic.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    assert not [n for m in critic.modules() for n, v in vars(m).items() if "dropout" in n and v not in (0.0, None)
+                and isinstance(v, float)]
