@@ -25,9 +25,15 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
 MESSAGE_BYTES = 1 << 20  # one request: argv, cwd and the environment (SOCK_SEQPACKET keeps it one message)
 
 
+def home() -> Path:
+    """The warm cluster's folder (its record, logs, the kernel server's socket): $RLBENCH_NB_HOME, else ~/.rlbench-nb.
+    Here, not in cluster/warm.py, because this launcher must not import what the cluster package imports."""
+    return Path(os.environ.get("RLBENCH_NB_HOME") or Path.home() / ".rlbench-nb")
+
+
 def socket_path() -> Path:
-    """Where the warm kernel server listens: beside the warm cluster's record (cluster/warm.py's home)."""
-    return Path(os.environ.get("RLBENCH_NB_HOME") or Path.home() / ".rlbench-nb") / "kernels.sock"
+    """Where the warm kernel server listens."""
+    return home() / "kernels.sock"
 
 
 def peer_uid(conn: socket.socket) -> int:

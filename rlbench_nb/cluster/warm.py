@@ -25,14 +25,12 @@ import sys
 import time
 from pathlib import Path
 
+from ..kernel_launcher import home
+from ..kernel_server import server_pid
 from .errors import ClusterError
 from .keeper import KEEPER_NAME, WARM_NAMESPACE, Keeper
 
 READY = "block forever"  # what `ray start --block` prints once every process of the head is up
-
-
-def home() -> Path:
-    return Path(os.environ.get("RLBENCH_NB_HOME") or Path.home() / ".rlbench-nb")
 
 
 def _info_path() -> Path:
@@ -90,7 +88,6 @@ def up(cpus: int = 0, spare: int = 4, idle_timeout_s: float = 1800.0, refill_aft
 
 def _start_kernel_server():
     """The warm kernel server's process, started unless one runs (then its pid): its imports overlap the keeper's."""
-    from ..kernel_server import server_pid
     pid = server_pid(home())
     if pid is not None:
         return pid
@@ -104,7 +101,6 @@ def _start_kernel_server():
 
 def _kernel_server_ready(started, timeout_s: float = 300.0) -> int:
     """The kernel server's pid once it listens; its log's end when it stopped first."""
-    from ..kernel_server import server_pid
     if isinstance(started, int):
         return started
     deadline = time.time() + timeout_s
@@ -158,7 +154,6 @@ def down(timeout_s: float = 60.0) -> dict | None:
 def _stop_kernel_server() -> None:
     """SIGTERM to the kernel server (it also stops by itself within seconds once the cluster's record is gone);
     kernels it forked keep running: they are the user's, and Jupyter stops them."""
-    from ..kernel_server import server_pid
     pid = server_pid(home())
     if pid is not None:
         os.kill(pid, signal.SIGTERM)
