@@ -1,6 +1,6 @@
 """Rollout throughput: our engines (HF, vLLM) vs transformers' own `model.generate` on the same prompts.
 
-    python benchmarks/rollout_throughput.py                          # tiny + ~20M models, all engines
+    python benchmarks/rollout_throughput.py                          # tiny + ~20M + SmolLM2, all engines
     python benchmarks/rollout_throughput.py --sizes tiny --engines hf plain --repeats 1 --json out.json
     python -m tests.real_assets && python benchmarks/rollout_throughput.py --sizes smollm2 --engines plain hf
 
@@ -9,6 +9,9 @@ needs no training; over the 18-token vocabulary EOS comes at random, so response
 `smollm2` is the real SmolLM2-135M-Instruct on real GSM8K questions with configs/gsm8k_smollm2_cpu.yaml's
 prompts and sampling (4 questions x 4 answers, system prompt with a worked example, temperature 0.7, up to 96
 new tokens, fp32): answers mostly run to the cap, so dropping finished rows saves little there.
+`hf` is our engine with the defaults (rollout.dtype=auto: bf16 on a CPU with native bf16 for models of 2M+
+parameters, ops/precision.py), `hf-fp32` the same engine in the model's fp32, `plain-bf16` the peer with its model
+in bf16; the `dtype` column says which ran. `vs plain` is against `plain` (fp32, as from_pretrained loads it).
 Per engine: completion tokens/s (median of --repeats after a warm-up call), and for the HF paths where
 the time goes: prefill (a 1-token generate) vs decode, and padding waste (left-padding of prompts, and
 slots decoded after a row's EOS while others go on: `generate` pays them, our engines do not). The floor
@@ -101,14 +104,15 @@ def memory_bandwidth(gib: float = 1.0) -> float:
 def measure(cfg, tok, batch, engine: str, repeats: int) -> dict:
     import rlbench_nb as rl
     p = cfg.rollout
-    row = {"engine": engine, "completions": len(batch), "max_new_tokens": p.max_new_tokens}
-    if engine == "plain":
+    row = {"engine": engine, "dtype": cfg.model.dtype, "completions": len(batch), "max_new_tokens": p.max_new_tokens}
+    if engine.startswith("plain"):
         # the peer is transformers as a user gets it: from_pretrained's defaults (SDPA attention, DynamicCache,
-        # torch.multinomial, F.linear), none of the engine's parts
+        # torch.multinomial, F.linear), none of the engine's parts; plain-bf16 is the same in bf16
         from transformers import AutoModelForCausalLM
 
         from rlbench_nb.roles.common import DTYPES
-        model = AutoModelForCausalLM.from_pretrained(str(cfg.model.path), dtype=DTYPES[cfg.model.dtype]).eval()
+        row["dtype"] = "bfloat16" if engine == "plain-bf16" else cfg.model.dtype
+        model = AutoModelForCausalLM.from_pretrained(str(cfg.model.path), dtype=DTYPES[row["dtype"]]).eval()
         row["params"] = sum(t.numel() for t in model.parameters())
         sampling = dict(do_sample=True, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p) \
             if p.temperature else dict(do_sample=False)
@@ -123,13 +127,16 @@ def measure(cfg, tok, batch, engine: str, repeats: int) -> dict:
         is_eos = resp == tok.eos_token_id
         mask = ((is_eos.long().cumsum(-1) - is_eos.long()) == 0).long()
     else:
-        cls = rl.roles.rollout_worker_class(engine)
+        cls = rl.roles.rollout_worker_class(engine.removesuffix("-fp32"))
+        if engine.endswith("-fp32"):
+            cfg = cfg.model_copy(update={"rollout": p.model_copy(update={"dtype": "model"})})
         t = time.perf_counter()
         worker = cls(cfg, str(cfg.model.path), tok.eos_token_id, tok.pad_token_id)
         row["engine_start_s"] = time.perf_counter() - t
+        row["dtype"] = worker.dtype
         seconds, out = timed(lambda: worker.generate(batch), repeats)
         mask = out["response_mask_BR"]
-        if engine == "hf":
+        if engine.startswith("hf"):
             one = p.model_copy(update={"max_new_tokens": 1})
             row["prefill_s"], _ = timed(lambda: worker.generate(batch, one), repeats)
             row["decode_steps"] = mask.shape[1] - 1
@@ -141,7 +148,7 @@ def measure(cfg, tok, batch, engine: str, repeats: int) -> dict:
     # slots decoded after a row's EOS: `generate` decodes the whole padded batch until the longest row
     # ends; our HF engine and vLLM stop computing a sequence at its EOS
     row.update(seconds=seconds, tokens=tokens, tok_s=tokens / seconds,
-               generated_slot_waste=1 - tokens / mask.numel() if engine == "plain" else 0.0,
+               generated_slot_waste=1 - tokens / mask.numel() if engine.startswith("plain") else 0.0,
                prompt_pad_waste=1 - batch["prompt_mask_BP"].float().mean().item())
     if "prefill_s" in row:
         row["decode_share"] = 1 - row["prefill_s"] / seconds
@@ -153,7 +160,8 @@ def measure(cfg, tok, batch, engine: str, repeats: int) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    ap.add_argument("--engines", nargs="+", default=["plain", "hf", "vllm"], choices=["plain", "hf", "vllm"])
+    engines = ["plain", "plain-bf16", "hf", "hf-fp32", "vllm"]
+    ap.add_argument("--engines", nargs="+", default=engines, choices=engines)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", default=None)
@@ -175,17 +183,19 @@ def main():
             r.update(size=size, params_m=params / 1e6 if params else float("nan"))
             rows.append(r)
     plain = {r["size"]: r["tok_s"] for r in rows if r["engine"] == "plain"}
+    from rlbench_nb.ops.precision import native_bf16
     print(f"\nrollout throughput, {'cuda' if torch.cuda.is_available() else 'cpu'}, {torch.get_num_threads()} threads;"
-          f" memory bandwidth (reading 1 GiB) {bandwidth / 1e9:.1f} GB/s")
-    print(f"{'size':<8}{'params':>8} {'engine':<7}{'compl x max':>12}{'seconds':>9}{'tok/s':>9}{'vs plain':>9}"
-          f"{'decode%':>9}{'decode GB/s':>12}{'slot waste':>11}{'prompt pad':>11}{'start s':>9}")
+          f" memory bandwidth (reading 1 GiB) {bandwidth / 1e9:.1f} GB/s; native bf16: {native_bf16()}")
+    print(f"{'size':<8}{'params':>8} {'engine':<11}{'dtype':<9}{'compl x max':>12}{'seconds':>9}{'tok/s':>9}"
+          f"{'vs plain':>9}{'decode%':>9}{'decode GB/s':>12}{'slot waste':>11}{'prompt pad':>11}{'start s':>9}")
     for r in rows:
         dec = f"{r['decode_share']:.0%}" if "decode_share" in r else "-"
         gbs = f"{r['decode_gb_s']:.1f} ({r['decode_gb_s'] * 1e9 / bandwidth:.0%})" if "decode_gb_s" in r else "-"
         start = f"{r['engine_start_s']:.1f}" if "engine_start_s" in r else "-"
         vs = f"{r['tok_s'] / plain[r['size']]:.2f}x" if r["size"] in plain else "-"
-        print(f"{r['size']:<8}{r['params_m']:>7.1f}M {r['engine']:<7}{r['completions']:>6} x {r['max_new_tokens']:<3}"
-              f"{r['seconds']:>9.3f}{r['tok_s']:>9,.0f}{vs:>9}{dec:>9}{gbs:>12}{r['generated_slot_waste']:>11.0%}"
+        print(f"{r['size']:<8}{r['params_m']:>7.1f}M {r['engine']:<11}{r['dtype']:<9}"
+              f"{r['completions']:>6} x {r['max_new_tokens']:<3}{r['seconds']:>9.3f}{r['tok_s']:>9,.0f}{vs:>9}{dec:>9}"
+              f"{gbs:>12}{r['generated_slot_waste']:>11.0%}"
               f"{r['prompt_pad_waste']:>11.0%}{start:>9}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -288,8 +288,7 @@ class DataConfig(_Section):
 
 class RolloutConfig(_Section):
     engine: Literal["hf", "vllm"] = "hf"
-    """'hf': transformers generate with KV cache; 'vllm': one vllm.LLM per rollout worker (pip install rlbench-
-    nb[vllm])."""
+    """'hf': transformers with our KV-cache decode loop; 'vllm': a vllm.LLM per rollout worker (rlbench-nb[vllm])."""
     n: int = Field(8, ge=1)
     """Samples per prompt (the group size of GRPO/RLOO)."""
     temperature: float = Field(1.0, ge=0)
@@ -303,6 +302,9 @@ class RolloutConfig(_Section):
     """Response length cap; generation also stops at EOS."""
     micro_batch_size: int = Field(512, ge=1)
     """HF engine: sequences per generate() call."""
+    dtype: Literal["auto", "model", "float32", "bfloat16"] = "auto"
+    """The engine's weights and sampling. auto: bfloat16 for a float32 model on a CPU with native bf16 (AVX512-BF16
+    or AMX: 1.5x the decode), else model.dtype (ops/precision.py). The trainers score in model.dtype either way."""
     colocate: bool = False
     """Rollout shares the trainers' devices and, under Ray, the policy's processes (weights handed over in memory;
     cluster.rollout_ranks = train_ranks); it sleeps during updates (vLLM sleep mode / HF weights to host memory; a
@@ -317,8 +319,7 @@ class RolloutConfig(_Section):
     """vLLM: no CUDA graphs / compilation (null: eager on CPU, graphs on GPU)."""
 
     def greedy(self, max_new_tokens: int | None = None) -> RolloutConfig:
-        """These settings for an evaluation: one greedy response per prompt, capped at `max_new_tokens` (default
-        this config's)."""
+        """For an evaluation: one greedy response per prompt, capped at `max_new_tokens` (default: this config's)."""
         return self.model_copy(update={"temperature": 0.0, "n": 1,
                                        "max_new_tokens": max_new_tokens or self.max_new_tokens})
 
@@ -415,8 +416,7 @@ class TrainConfig(_Section):
     critic_warmup: int = Field(0, ge=0)
     """Steps that train only the critic (PPO)."""
     max_skipped_steps: int = Field(5, ge=1)
-    """Consecutive steps whose whole update was skipped for a non-finite loss or gradient before the run stops with
-    an error."""
+    """Consecutive steps whose whole update was skipped for a non-finite loss or gradient before the run errors."""
     logprob_chunk_mb: float = Field(256, ge=0)
     """Memory (MiB of fp32 logits) per chunk of the fused log-prob/entropy op: full [B, T, V] logits never exist (0:
     the model's own forward, full logits)."""

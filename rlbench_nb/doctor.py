@@ -269,7 +269,7 @@ def update_checks(sess: Session, row: dict, was_step_zero: bool, b) -> list[Chec
     else:
         out.append(Check("KL to the reference at step 0", kl is not None and abs(kl) <= same, f"kl/ref {kl:.2e}",
                          "the reference is not the starting policy: another model.path, dtype or adapters"))
-    out.append(_engine_agreement(row, engine, dtype, sess.cfg.algo.mismatch_alarm or 0.05))
+    out.append(_engine_agreement(row, engine, sess.workers.rollout_dtype(), sess.cfg.algo.mismatch_alarm or 0.05))
     change = b.weight_change()
     moved = max(change.values(), default=0.0)
     out.append(Check("an update at lr 0 moves no weight", moved == 0.0, f"largest relative change {moved:.2e}",

@@ -73,7 +73,7 @@ def wait_until(predicate, timeout: float, every: float = 0.2) -> bool:
 def assert_rollout_holds_policy_weights(sess) -> None:
     """Every rollout rank holds exactly the policy's weights (in the rollout's dtype): the engine follows."""
     import torch
-    policy = sess.groups["policy"].call("get_weights")[0]
+    policy = sess.groups["policy"].call("get_weights", dtype=sess.workers.rollout_dtype())[0]
     for rank, weights in enumerate(sess.groups["rollout"].call("get_weights")):
         assert weights.keys() == policy.keys(), rank
         for k, v in policy.items():

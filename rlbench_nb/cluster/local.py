@@ -25,7 +25,9 @@ class LocalWorkerGroup:
         self.records: list[CallRecord] = []
         self.memory: dict[int, dict] = {}
         self.workers = [self._run(0, "__init__", worker_cls, *args, **kwargs)]
-        self.info = {0: {"pid": os.getpid(), "node": "local", "device": str(getattr(self.workers[0], "device", "cpu"))}}
+        w = self.workers[0]
+        self.info = {0: {"pid": os.getpid(), "node": "local", "device": str(getattr(w, "device", "cpu")),
+                         "dtype": getattr(w, "dtype", None)}}
 
     def ready(self) -> LocalWorkerGroup:
         return self  # built in __init__

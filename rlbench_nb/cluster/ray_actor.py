@@ -109,9 +109,10 @@ class WorkerActor:
     def info(self, role: str | None = None) -> dict:
         """Where this rank runs. Several Ray nodes can share one machine (one IP): `node_id` tells them apart."""
         import ray
+        worker = self.workers.get(role or self.role)
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "pool": self.pool,
                 "node_id": ray.get_runtime_context().get_node_id(),
-                "device": str(getattr(self.workers.get(role or self.role), "device", "cpu"))}
+                "device": str(getattr(worker, "device", "cpu")), "dtype": getattr(worker, "dtype", None)}
 
     def call(self, role: str, method: str, *args, **kwargs):
         """(result, memory snapshot, seconds inside the method)."""

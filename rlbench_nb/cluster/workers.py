@@ -126,6 +126,10 @@ class Workers:
         return self.cfg.rollout.colocate and any(i.get("device", "cpu") != "cpu"
                                                  for i in self.groups["rollout"].info.values())
 
+    def rollout_dtype(self) -> str:
+        """The dtype the rollout engines hold (rollout.dtype as they resolved it): what a push sends them in."""
+        return self.groups["rollout"].info.get(0, {}).get("dtype") or self.cfg.model.dtype
+
     def start_sync(self, version: int) -> tuple:
         """Start pushing the policy's full weights to every rollout rank (tagged `version`)."""
         t0 = time.perf_counter()
@@ -135,7 +139,7 @@ class Workers:
         # a collective when sharded: all ranks. Under Ray the rollout's call is queued on a reference to
         # rank 0's result, so the bytes go policy -> rollout without a round trip through this process. Not a
         # copy: every way there copies them (set_weights into the engine, a Ray push into its buffer first)
-        pending = policy.submit_stored("get_weights", copy=False, to=rollout)
+        pending = policy.submit_stored("get_weights", copy=False, dtype=self.rollout_dtype(), to=rollout)
         return t0, pending, rollout.submit("set_weights", pending.stored[0], version), version
 
     def finish_sync(self, started: tuple, since: float | None = None) -> dict:
@@ -175,13 +179,17 @@ class Workers:
     # ---- looking at it ----------------------------------------------------------------------------
     def table(self) -> list[tuple]:
         """(role, rank, pool, node, pid, device, RSS GB) per rank, from what the last calls reported. A node is
-        its IP, and the start of its Ray node id when it has one (several nodes can share a machine)."""
+        its IP, and the start of its Ray node id when it has one (several nodes can share a machine); a device
+        names its dtype where it is not model.dtype (a bf16 rollout engine: rollout.dtype)."""
         out = []
         for role, g in self.groups.items():
             for rank in range(g.world_size):
                 info, mem = g.info.get(rank, {}), g.memory.get(rank, {})
                 rss = mem.get("rss_gb")
                 node = info.get("node", "?") + (f"/{info['node_id'][:6]}" if info.get("node_id") else "")
-                out.append((role, rank, info.get("pool", "-"), node, info.get("pid", "?"), info.get("device", "?"),
+                device = info.get("device", "?")
+                if info.get("dtype") not in (None, self.cfg.model.dtype):
+                    device += f" {info['dtype']}"
+                out.append((role, rank, info.get("pool", "-"), node, info.get("pid", "?"), device,
                             "-" if rss is None else f"{rss:.2f}"))
         return out

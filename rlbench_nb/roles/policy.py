@@ -184,12 +184,12 @@ class PolicyWorker(SnapshotHolder, ReferenceWorker):
         tinker_ops.zero_grad(self)
 
     # ---- weights and state ----------------------------------------------------------------------
-    def get_weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
-        """Full CPU weights in the rollout's dtype (model.dtype) on rank 0 ({} elsewhere); gathers when
-        sharded: O(model size). With LoRA: the base model's weights with the adapters merged in. Every rank
-        must be called. `copy=False`, for a weight push whose receiver copies them at once: the live tensors
-        where no gather or cast makes new ones (a copy of the whole model a step saved, 0.5 GB at 135M)."""
-        dtype = DTYPES[self.cfg.model.dtype]
+    def get_weights(self, copy: bool = True, dtype: str | None = None) -> dict[str, torch.Tensor]:
+        """Full CPU weights in `dtype` (default model.dtype; a push sends the rollout engine's) on rank 0 ({}
+        elsewhere); gathers when sharded: O(model size). With LoRA: the base model's weights with the adapters
+        merged in. Every rank must be called. `copy=False`, for a weight push whose receiver copies them at once:
+        the live tensors where no gather or cast makes new ones (a copy of the model a step saved, 0.5 GB at 135M)."""
+        dtype = DTYPES[dtype or self.cfg.model.dtype]
         state = dist_util.full_model_state(self.model, self.sharded, copy=copy)
         if self.lora and state:
             state = lora_util.merged_state(state, lora_util.scaling(self.lora))

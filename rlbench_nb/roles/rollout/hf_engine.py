@@ -11,7 +11,8 @@ import torch
 from ...config import Config, RolloutConfig
 from ...data.batch import Batch
 from ...determinism import sampling_generator
-from ..common import load_causal_lm, load_weights, pick_device
+from ...ops.precision import rollout_dtype
+from ..common import DTYPES, load_causal_lm, load_weights, pick_device
 from .base import RolloutWorker
 from .kv_cache import reserved_cache
 from .sampling import sample_next
@@ -24,6 +25,9 @@ class HFRolloutWorker(RolloutWorker):
         self.model_dir = model_dir
         self.device = pick_device()
         self.model = load_causal_lm(model_dir, cfg.model.dtype, self.device, cfg.model.attention)
+        # rollout.dtype: by default bf16 where the CPU computes it natively and the model is big enough to gain
+        self.dtype = rollout_dtype(cfg, self.device, params=sum(t.numel() for t in self.model.parameters()))
+        self.model.to(DTYPES[self.dtype])
         self.model.requires_grad_(False)
         self.model.eval()
         if self.device.type == "cpu":

@@ -35,6 +35,7 @@ import torch
 from ...config import Config, RolloutConfig
 from ...data.batch import Batch
 from ...determinism import sampling_generator
+from ...ops.precision import rollout_dtype
 from ..common import pick_device
 from .base import RolloutWorker, fingerprints
 
@@ -59,6 +60,7 @@ class VLLMRolloutWorker(RolloutWorker):
         self.cfg = cfg
         r = cfg.rollout
         self.device = pick_device()
+        self.dtype = rollout_dtype(cfg, self.device)  # auto: model.dtype (bf16 on a CPU is the HF engine's)
         on_gpu = self.device.type == "cuda"
         if not on_gpu:  # read by the engine process at start: GiB of KV cache on CPU
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(r.kv_cache_gb)
@@ -68,7 +70,7 @@ class VLLMRolloutWorker(RolloutWorker):
         kwargs = dict(tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
                       enable_sleep_mode=True) if on_gpu else {}
         self.llm = vllm.LLM(
-            model=model_dir, skip_tokenizer_init=True, dtype=cfg.model.dtype, seed=cfg.run.seed,
+            model=model_dir, skip_tokenizer_init=True, dtype=self.dtype, seed=cfg.run.seed,
             max_model_len=cfg.data.max_prompt_len + r.max_new_tokens,
             enforce_eager=(not on_gpu) if r.enforce_eager is None else r.enforce_eager,
             logprobs_mode="processed_logprobs", **kwargs)
