@@ -27,7 +27,8 @@ Both sides get the same work, and this list is the contract:
   `algo.kl_coef=0.04 algo.kl_estimator=k3 algo.kl_in=loss`: the reference role);
 - optimizer: AdamW lr 1e-4 (tiny) / 1e-5 (20m) / 1e-6 (smollm2), betas (0.9, 0.999), eps 1e-8, weight decay 0, grad-norm
   clip 1.0, constant LR (TRL `lr_scheduler_type="constant"`, no warmup);
-- everything else TRL would add turned off: `gradient_checkpointing=False`, fp32 (no bf16/fp16),
+- everything else TRL would add turned off: `gradient_checkpointing=False`, fp32 (no bf16/fp16; ours
+  `rollout.dtype=model`, where our default samples in bf16 on a CPU with native bf16),
   `disable_dropout=True`, no vLLM, no logging of completions, no saving, `report_to="none"`;
 - the whole batch in one forward/backward on each side (TRL `per_device_train_batch_size` = completions,
   `gradient_accumulation_steps=1`, `steps_per_generation=1`; ours `train.micro_batch_size` >= completions);
@@ -170,6 +171,7 @@ def run_ours(path: Path, size: str, backend: str, kl: str, steps: int, warmup: i
         "rollout.top_k=0", "algo.advantage=grpo", "algo.loss_agg=token-mean", f"algo.kl_coef={KL[kl]}",
         "algo.kl_estimator=k3", "algo.kl_in=loss", "algo.clip_low=0.2", "algo.clip_high=0.2", f"train.lr={w.lr}",
         "train.grad_clip=1.0", "train.micro_batch_size=4096", "task.num_test=8",
+        "rollout.dtype=model",  # the contract's fp32 sampling (our default, auto, is bf16 on a CPU with native bf16)
         *BACKENDS[backend], f"cluster.num_threads={threads}", *overrides])
     sess = rl.Session(cfg)
     rows, walls = [], []
