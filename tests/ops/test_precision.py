@@ -29,7 +29,7 @@ def test_rollout_dtype_resolves_auto_by_device_size_and_cpu(monkeypatch, rollout
 
 
 def test_a_typo_in_rollout_dtype_names_the_choices():
-    with pytest.raises(Exception, match="rollout.dtype") as e:
+    with pytest.raises(rl.ConfigError, match="rollout.dtype") as e:
         rl.Config.load(None, ["rollout.dtype=bf16"])
     assert "bfloat16" in str(e.value)
 

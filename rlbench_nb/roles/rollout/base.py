@@ -12,14 +12,14 @@ SAMPLES = 256  # elements per tensor a fingerprint reads, a fixed stride through
 # differs in most of them; each sample is one cache line read, so the cost is ~tensors x SAMPLES, not the bytes
 
 
-def fingerprints(tensors: list[torch.Tensor], like: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """A cheap digest per tensor: the float64 sum of a fixed strided sample of its elements, read in the dtype of
-    `like`'s tensor where given. The same tensor in the same dtype gives the same number exactly, and so does a
-    tensor copied into another dtype (a bf16 engine loading fp32 weights) against the original read in that dtype:
-    `copy_` and `to` round alike."""
-    return torch.stack([t.detach().reshape(-1)[:: max(1, t.numel() // SAMPLES)]
-                        .to(t.dtype if like is None else like[i].dtype).sum(dtype=torch.float64)
-                        for i, t in enumerate(tensors)]).cpu()  # sent (CPU) and held (the engine's device) meet here
+def fingerprints(tensors: list[torch.Tensor], dtypes: list[torch.dtype] | None = None) -> torch.Tensor:
+    """A cheap digest per tensor: the float64 sum of a fixed strided sample of its elements, read in `dtypes[i]`
+    where given. The same tensor in the same dtype gives the same number exactly, and so does a tensor copied into
+    another dtype (a bf16 engine loading fp32 weights) against the original read in that dtype: `copy_` and `to`
+    round alike."""
+    dtypes = dtypes or [t.dtype for t in tensors]
+    return torch.stack([t.detach().reshape(-1)[:: max(1, t.numel() // SAMPLES)].to(d).sum(dtype=torch.float64)
+                        for t, d in zip(tensors, dtypes)]).cpu()  # sent (CPU) and held (the engine's device) meet here
 
 
 def first_difference(sent: dict[str, torch.Tensor], held: dict[str, torch.Tensor]) -> str | None:
@@ -27,8 +27,8 @@ def first_difference(sent: dict[str, torch.Tensor], held: dict[str, torch.Tensor
     names = list(sent)
     if any(k not in held for k in names):
         return next(k for k in names if k not in held)
-    held_now = [held[k] for k in names]
-    a, b = fingerprints([sent[k] for k in names], like=held_now), fingerprints(held_now)
+    a = fingerprints([sent[k] for k in names], dtypes=[held[k].dtype for k in names])
+    b = fingerprints([held[k] for k in names])
     if torch.equal(a, b):
         return None
     return names[int((a != b).nonzero()[0])]
