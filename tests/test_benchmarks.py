@@ -12,7 +12,7 @@ from .conftest import REPO
 @pytest.mark.parametrize("script, args", [
     # the two ~50-second ones run in the slow stage (the default run stays well under 30 minutes)
     pytest.param("benchmarks/controller_overhead.py", ["--calls", "2", "--steps", "1", "--backends", "local",
-                                                       "ray-colocated"], marks=pytest.mark.slow),
+                                                       "ray"], marks=pytest.mark.slow),  # ray: the floors too
     pytest.param("benchmarks/async_overlap.py", ["--steps", "1", "data.batch_size=4", "rollout.n=2", "task.num_test=8",
                                                   "cluster.train_ranks=1"], marks=pytest.mark.slow),
     pytest.param("benchmarks/score_overlap.py", ["--reps", "1", "data.batch_size=4", "rollout.n=2"],

@@ -6,10 +6,12 @@ RayWorkerGroup (ray_backend.py) creates and calls these.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
 from ..data.packed import PackedTensors
+from .channel import ChannelServer
 from .errors import WorkerError
 from .transport import SharedMemoryWriter, SharedTensors, pack
 
@@ -44,6 +46,8 @@ class WorkerActor:
         self._shm: SharedMemoryWriter | None = None  # weights pushed to a consumer on this node
         self._stash: Any = None  # weights handed to a colocated role without leaving the process
         self.meta: dict = {}  # what a controller attaching later needs to find (e.g. the run directory)
+        self._one_call = threading.Lock()  # a worker runs one call at a time, whether Ray or the channel brought it
+        self._channel = ChannelServer(self.answer)  # calls from a controller on this machine (channel.py)
         self.role, self.rank, self.world, self.pool = role, rank, world, pool
         if role is not None:
             self.become(role, rank, world, seed, num_threads, deterministic, pool, device)
@@ -112,18 +116,27 @@ class WorkerActor:
         worker = self.workers.get(role or self.role)
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "pool": self.pool,
                 "node_id": ray.get_runtime_context().get_node_id(),
-                "device": str(getattr(worker, "device", "cpu")), "dtype": getattr(worker, "dtype", None)}
+                "device": str(getattr(worker, "device", "cpu")), "dtype": getattr(worker, "dtype", None),
+                "channel": self._channel.path}
 
     def call(self, role: str, method: str, *args, **kwargs):
         """(result, memory snapshot, seconds inside the method)."""
         from ..metrics.memory import memory_snapshot
-        args = tuple(self._arg(a) for a in args)
-        t0 = time.perf_counter()
-        try:
-            result = getattr(self.workers[role], method)(*args, **kwargs)
-        except Exception as e:
-            raise WorkerError.from_exception(role, self.rank, method, e) from None
-        return result, memory_snapshot(), time.perf_counter() - t0
+        with self._one_call:
+            args = tuple(self._arg(a) for a in args)
+            t0 = time.perf_counter()
+            try:
+                result = getattr(self.workers[role], method)(*args, **kwargs)
+            except Exception as e:
+                raise WorkerError.from_exception(role, self.rank, method, e) from None
+            return result, memory_snapshot(), time.perf_counter() - t0
+
+    def answer(self, request: tuple):
+        """A call that came over the channel: `call`, or with a transport named `call_stored`'s (result, status)."""
+        where, role, method, args, kwargs = request
+        if where is not None:
+            return self.call_stored(role, method, *args, where=where, **kwargs)
+        return self.call(role, method, *args, **kwargs)
 
     def _arg(self, a):
         if isinstance(a, Stashed):
@@ -150,3 +163,4 @@ class WorkerActor:
             self._shm.close()
         for role in list(self.workers)[::-1]:  # hosted roles first
             self.drop(role)
+        self._channel.close()

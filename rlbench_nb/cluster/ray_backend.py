@@ -6,10 +6,12 @@
 Ranks of one role are placed with a placement group and joined in a torch.distributed group (gloo on
 CPU, NCCL on GPU) so trainer roles can shard with FSDP2. Every call returns the worker's memory
 snapshot alongside its result (no extra round trip). Failures come back as `WorkerError` /
-`WorkerDiedError` naming role, rank and method, never as a bare Ray traceback.
+`WorkerDiedError` naming role, rank and method, never as a bare Ray traceback. Where the controller is on
+the ranks' machine, calls go over each actor's socket (channel.py, cluster.channels), else as Ray tasks.
 
 Its rooms: ray_connect.py (joining or starting the cluster, finding a detached run), ray_actor.py (the actor
-process behind each rank), this file (a role's ranks as one group: calls, their results and failures).
+process behind each rank), channel.py (calls over a socket), answers.py (waiting for the ranks' answers and
+naming failures), this file (a role's ranks as one group: starting them, sending calls).
 """
 from __future__ import annotations
 
@@ -17,26 +19,16 @@ import time
 from typing import Any
 
 from ..data.batch import Batch
-from . import warm
+from . import channel, warm
+from .answers import Answers
 from .base import CallRecord, Method, Pending, by_reference
-from .errors import OOM_KNOBS, ClusterError, WorkerDiedError, WorkerError, is_out_of_memory
+from .channel import ChannelCall
+from .errors import ClusterError
 from .pools import placement
 from .ray_actor import WorkerActor
-from .ray_connect import lost_cluster_error
-
-# How long a rank's lost connection waits for Ray to report the peer that died (Ray notices a killed
-# actor within about a second; gloo notices the closed socket at once).
-PEER_GRACE_S = 10.0
-# What torch.distributed says when a peer's process is gone mid-collective (gloo on CPU, NCCL on GPU).
-_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed",
-              "NCCL communicator was aborted", "remote process exited")
 
 
-def _lost_a_peer(message: str) -> bool:
-    return any(s.lower() in message.lower() for s in _PEER_LOST)
-
-
-class RayWorkerGroup:
+class RayWorkerGroup(Answers):
     def __init__(self, cfg, role: str, worker_cls, world_size: int, *args, name: str = "run",
                  host: RayWorkerGroup | None = None, wait: bool = True):
         """`host`: run this role's ranks inside that group's actors (same processes, rank by rank)
@@ -52,6 +44,8 @@ class RayWorkerGroup:
         self.host = host
         self._setups: list = []  # the ranks' setup calls until ready() has their answers
         self.warm_names: list[str] = []  # warm processes this group took (warm.py): given back to the keeper on close
+        self.channels: list | None = None  # each rank's channel.py socket, where this controller reaches them
+        self._unsent: list[Unsent] = []  # calls held until another call's result they pass on is in
         if host is not None:
             if host.world_size != world_size:
                 raise ClusterError(f"role '{role}' ({world_size} ranks) cannot live in the '{host.role}' "
@@ -112,7 +106,18 @@ class RayWorkerGroup:
         if self._setups:
             self.info = dict(enumerate(self._get(self._setups, "__init__")))
             self._setups = []
+            self._open_channels()
         return self
+
+    def _open_channels(self) -> None:
+        """Calls over each rank's socket where every rank is on this controller's Ray node (cluster.channels),
+        else as Ray tasks (`Workers` then sends every group's by Ray: weights between nodes go actor to actor)."""
+        import ray
+        here = ray.get_runtime_context().get_node_id()
+        found = [channel.connect(self.info[r].get("channel"))
+                 if self.cfg.cluster.channels and self.info[r].get("node_id") == here else None
+                 for r in range(self.world_size)]
+        self.channels = found if all(found) else None
 
     @classmethod
     def reattach(cls, cfg, role: str, world_size: int, name: str,
@@ -123,7 +128,8 @@ class RayWorkerGroup:
         self = cls.__new__(cls)
         self.role, self.world_size, self.cfg, self.host = role, world_size, cfg, host
         self.timeout = cfg.cluster.call_timeout_s
-        self.records, self.memory, self._setups, self.warm_names = [], {}, [], []
+        self.records, self.memory, self._setups, self.warm_names, self.channels = [], {}, [], [], None
+        self._unsent = []
         if host is not None:
             self.actors, self.pg = host.actors, None
         else:
@@ -140,83 +146,54 @@ class RayWorkerGroup:
             except ValueError:
                 self.pg, self.warm_names = None, [f"{ns}/{name}/{role}/{rank}" for rank in range(world_size)]
         self.info = dict(enumerate(self._get([a.info.remote(role) for a in self.actors], "info")))
+        self._open_channels()
         return self
 
     def set_meta(self, meta: dict) -> None:
         self._get([a.set_meta.remote(meta) for a in self.actors], "set_meta")
 
-    # ---- waiting with clear errors ---------------------------------------------------------------
-    def _get(self, refs: list, method: str) -> list:
-        """Results by rank; the first failure (in whatever rank) is raised at once, naming that rank. When
-        a rank failed because it lost its connection to a peer, the peer's death is the cause: give the
-        other ranks PEER_GRACE_S to be reported dead and name the dead one instead."""
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
-        index = {ref: r for r, ref in enumerate(refs)}
-        results: dict[int, Any] = {}
-        pending, deadline = list(refs), time.time() + self.timeout
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.time(), 0))
-            if not ready:
-                ranks = sorted(index[p] for p in pending)
-                raise WorkerError(self.role, ranks[0], method, f"no answer within cluster.call_timeout_s="
-                                  f"{self.timeout:.0f}s from rank(s) {ranks} (hung, or waiting on a dead peer)")
-            rank = index[ready[0]]
-            try:
-                results[rank] = ray.get(ready[0])
-            except RayTaskError as e:
-                error = self._task_error(e, rank, method)
-                if pending and _lost_a_peer(str(e)):
-                    died = self._first_death(pending, index, method)
-                    if died is not None:
-                        raise died from None
-                raise error from None
-            except RayActorError as e:
-                raise self._death(e, rank, method) from None
-        return [results[r] for r in range(len(refs))]
-
-    def _task_error(self, e, rank: int, method: str) -> WorkerError:
-        cause = getattr(e, "cause", None)
-        if isinstance(cause, WorkerError):
-            return WorkerError(cause.role, cause.rank, cause.method, cause.summary, cause.frame,
-                               cause.remote_traceback)
-        return WorkerError(self.role, rank, method, str(e).splitlines()[-1], None, str(e))
-
-    def _death(self, e, rank: int, method: str) -> ClusterError | WorkerDiedError:
-        lost = lost_cluster_error()
-        if lost is not None:
-            return lost
-        last = self.memory.get(rank, {})
-        oom = (f" It ran out of memory (last reported {last.get('rss_gb', 0.0):.2f} GB resident): "
-               f"{OOM_KNOBS}.") if is_out_of_memory(e) else ""
-        back = " (from the last checkpoint; none saved: a new session)" if self.role in ("policy", "critic") else ""
-        return WorkerDiedError(self.role, rank, method, f"the worker process died (pid "
-                               f"{self.info.get(rank, {}).get('pid', '?')}): {str(e).splitlines()[0]}.{oom} "
-                               f"Restart the role with sess.restart('{self.role}'){back}, or run(..., "
-                               f"on_failure='restore')")
-
-    def _first_death(self, pending: list, index: dict, method: str) -> ClusterError | WorkerDiedError | None:
-        """The death of one of the `pending` ranks, if Ray reports it within PEER_GRACE_S."""
-        import ray
-        from ray.exceptions import RayActorError
-        deadline = time.time() + PEER_GRACE_S
-        while pending and time.time() < deadline:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.time(), 0))
-            for ref in ready:
-                try:
-                    ray.get(ref)
-                except RayActorError as e:
-                    return self._death(e, index[ref], method)
-                except Exception:  # noqa: BLE001 - another peer's own error: keep waiting for a death
-                    pass
-        return None
-
     def _calls(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> list:
         return self.collect(self._submit(method, per_rank_args, kwargs))
 
-    def _submit(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> Pending:
+    def _submit(self, method: str, per_rank_args: list[tuple], kwargs: dict, where: str | None = None) -> Pending:
+        """Each rank's call, by its channel where it has one (`where`: a stored call's transport), after the calls
+        of this group still held for another call's result (`Unsent`)."""
+        self._send_unsent()
+        if self.channels and any(isinstance(a, StoredAnswer) for args in per_rank_args for a in args):
+            held = [Unsent(ch, (where, self.role, method, args, kwargs))
+                    for ch, args in zip(self.channels, per_rank_args)]
+            self._unsent.extend(held)
+            return Pending(method, held, time.perf_counter())
+        per_rank_args = [tuple(self._value(a) for a in args) for args in per_rank_args]
+        if self.channels:
+            calls = [ChannelCall(ch, ch.send((where, self.role, method, args, kwargs)))
+                     for ch, args in zip(self.channels, per_rank_args)]
+            return Pending(method, calls, time.perf_counter())
         refs = [a.call.remote(self.role, method, *args, **kwargs) for a, args in zip(self.actors, per_rank_args)]
         return Pending(method, refs, time.perf_counter())
+
+    def _send_unsent(self) -> None:
+        """Send the held calls in order, each once the result it holds is in; one whose result's call failed fails
+        with that error when collected (as a Ray task on a failed reference does)."""
+        unsent, self._unsent = self._unsent, []
+        for call in unsent:
+            where, role, method, args, kwargs = call.request
+            try:
+                request = (where, role, method, tuple(self._value(a) for a in args), kwargs)
+            except Exception as e:  # noqa: BLE001 - the other call's own error, raised where this one is collected
+                call.sent = ChannelCall.answered(False, e)
+                continue
+            call.sent = ChannelCall(call.channel, call.channel.send(request))
+
+    def _value(self, arg):
+        """Another call's stored result passed on (the weights' handle to the engine): a channel's is waited for
+        here; a Ray reference goes as it is to a Ray call, which resolves it, and is fetched for a channel's."""
+        if isinstance(arg, StoredAnswer):
+            return arg.group._get([arg.call], arg.method)[0]
+        if self.channels and type(arg).__name__ == "ObjectRef":
+            import ray
+            return ray.get(arg)
+        return arg
 
     @by_reference
     def submit_shards(self, method: Method, batch: Batch, *args, **kwargs) -> Pending:
@@ -224,7 +201,11 @@ class RayWorkerGroup:
         return self._submit(method, [(p, *args) for p in batch.chunk(self.world_size)], kwargs)
 
     def collect(self, pending: Pending) -> list:
-        out = self._get(pending.handles, pending.method)
+        handles = pending.handles
+        if handles and isinstance(handles[0], Unsent):
+            self._send_unsent()
+            handles = [h.sent for h in handles]
+        out = self._get(handles, pending.method)
         end = time.perf_counter()
         for rank, (_, mem, work_s) in enumerate(out):
             self.memory[rank] = mem
@@ -242,7 +223,7 @@ class RayWorkerGroup:
     def submit(self, method: Method, *args, **kwargs) -> Pending:
         """`call` without waiting: `collect(pending)` gives the results."""
         import ray
-        if self.world_size > 1:  # top-level ObjectRef arguments are resolved by Ray
+        if self.world_size > 1 and not self.channels:  # top-level ObjectRef arguments are resolved by Ray
             args = tuple(a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args)
         return self._submit(method, [args] * self.world_size, kwargs)
 
@@ -261,6 +242,10 @@ class RayWorkerGroup:
         else:
             where = "store"
         self.last_transport = where  # what the latest push went by (sess.groups["policy"].last_transport)
+        if self.channels:  # each answer is (result, status): the status for collect, the result to pass on
+            sent = self._submit(method, [args] * self.world_size, kwargs, where).handles
+            return Pending(method, [c.of(1) for c in sent], time.perf_counter(),
+                           [StoredAnswer(self, c.of(0), method) for c in sent])
         calls = [a.call_stored.options(num_returns=2).remote(self.role, method, *args, where=where, **kwargs)
                  for a in self.actors]
         return Pending(method, [status for _, status in calls], time.perf_counter(), [result for result, _ in calls])
@@ -273,7 +258,12 @@ class RayWorkerGroup:
     @by_reference
     def call_rank0(self, method: Method, *args, **kwargs) -> Any:
         start = time.perf_counter()
-        res, mem, work_s = self._get([self.actors[0].call.remote(self.role, method, *args, **kwargs)], method)[0]
+        if self.channels:
+            self._send_unsent()
+            call = ChannelCall(self.channels[0], self.channels[0].send((None, self.role, method, args, kwargs)))
+        else:
+            call = self.actors[0].call.remote(self.role, method, *args, **kwargs)
+        res, mem, work_s = self._get([call], method)[0]
         self.memory[0] = mem
         self.records.append(CallRecord(self.role, 0, method, start, time.perf_counter(), work_s))
         return res
@@ -304,6 +294,10 @@ class RayWorkerGroup:
 
     def close(self) -> None:
         import ray
+        if self.host is None:  # the host's channels are its own (a guest role shares them)
+            for info in self.info.values():
+                channel.disconnect(info.get("channel"))
+        self.channels = None
         if self.host is not None:  # the processes are the host's: only this role's workers go
             try:
                 ray.wait([a.drop.remote(self.role) for a in self.actors], num_returns=len(self.actors), timeout=10)
@@ -327,3 +321,19 @@ class RayWorkerGroup:
             ray.util.remove_placement_group(self.pg)
         except Exception:
             pass
+
+
+class StoredAnswer:
+    """A stored call's result sent by channel, to pass to another group's call (`submit_stored`)."""
+
+    def __init__(self, group: RayWorkerGroup, call: ChannelCall, method: str):
+        self.group, self.call, self.method = group, call, method
+
+
+class Unsent:
+    """A rank's call whose arguments hold another call's stored result (the weights' handle for the engine): sent
+    once that result is in — when this call is collected, or before the group's next call —, as Ray starts a task
+    on a reference once its argument is ready; `sent` is then the call."""
+
+    def __init__(self, channel, request: tuple):
+        self.channel, self.request, self.sent = channel, request, None

@@ -41,10 +41,18 @@ class Workers:
                                                 wait=False))
             for group in self.groups.values():  # every role's processes import and load at the same time
                 group.ready()
+            self.one_way_of_calling()
         except BaseException:
             if not reattach:
                 self.close()  # no half-built session keeps actors alive
             raise
+
+    def one_way_of_calling(self) -> None:
+        """Under Ray, channels (cluster/channel.py) for all roles or for none: a role on another node sends every
+        role's calls as Ray tasks, so the weight push goes actor to actor, not through this process."""
+        if any(getattr(g, "channels", False) is None for g in self.groups.values()):
+            for g in self.groups.values():
+                g.channels = None
 
     def host_of(self, role: str) -> WorkerGroup | None:
         """The group whose processes `role` lives in (rollout.colocate under Ray), or None."""
@@ -99,6 +107,7 @@ class Workers:
             self.groups[role].close()
             cls, args = self.specs[role]
             self.groups[role] = make_group(self.cfg, role, cls, *args, name=self.name, host=self.host_of(role))
+        self.one_way_of_calling()
         for role in roles:  # built from the session's first config: bring them onto the current one
             self.groups[role].call("set_config", self.cfg)
         if "policy" in roles:

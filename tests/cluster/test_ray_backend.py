@@ -615,3 +615,36 @@ def test_a_session_loads_its_task_while_ray_starts_and_its_own_error_comes_first
     cluster.while_connecting(cfg, load)
     assert threads["load"] is threading.main_thread()
 
+
+
+def test_calls_over_channels_give_what_ray_tasks_give_and_say_when_another_controller_took_them(ray_cluster,
+                                                                                                 small_cfg):
+    """cluster.channels (the default): a controller on its actors' machine sends the calls over each actor's
+    socket (cluster/channel.py) instead of as Ray tasks. Two steps give the same samples, metrics and weights as
+    with every call a Ray task (`cluster.channels=false`), the weight push verified either way; a worker's error
+    still names its role, rank, method and line. A controller whose channel another one took over (a kernel
+    attaching the run) is told so at its next call, not left waiting."""
+    import socket
+    drop = ("time/", "throughput/", "memory/", "sync/s", "sync/verify_s")
+    rows, weights = {}, {}
+    for channels in (True, False):
+        sess = rl.Session(small_cfg(*RAY, f"cluster.channels={str(channels).lower()}"))
+        assert all((g.channels is not None) is channels for g in sess.groups.values())
+        rows[channels] = [{k: v for k, v in sess.step().items() if not k.startswith(drop)} for _ in range(2)]
+        assert all(r["sync/verified"] == 1.0 for r in rows[channels])
+        weights[channels] = sess.groups["policy"].call(PolicyWorker.get_weights)[0]
+        assert_rollout_holds_policy_weights(sess)
+        batch = sess.score(sess.rollout())
+        del batch.tensors["prompt_ids_BP"]
+        with pytest.raises(WorkerError, match=r"policy rank 0 failed in compute_logprobs\(\): KeyError") as e:
+            sess.groups["policy"].call_shards(PolicyWorker.compute_logprobs, batch)
+        assert "rlbench_nb/roles/policy.py" in e.value.frame
+        if channels:
+            taker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            taker.connect(sess.groups["reward"].info[0]["channel"])  # another process connecting to the actor
+            with pytest.raises(WorkerError, match=r"reward rank 0 failed in .*another controller attached"):
+                sess.score(batch)
+            taker.close()
+        sess.close()
+    assert rows[True] == rows[False]
+    assert all(torch.equal(weights[True][k], weights[False][k]) for k in weights[False])

@@ -88,8 +88,8 @@ def test_every_batch_info_key_the_code_uses_is_documented():
             if m.group(2):  # info.update(a=..., b=...): every keyword
                 line = path.read_text()[m.start():].split("\n", 1)[0]
                 used.update(re.findall(r"([a-z_]+)=", line))
-    # keys a worker group's `info` (pid, node, device, dtype: cluster/) has are not a batch's
-    used -= {"pid", "node", "node_id", "device", "dtype", "pool", "run_id"}
+    # keys a worker group's `info` (pid, node, device, dtype, channel: cluster/) has are not a batch's
+    used -= {"pid", "node", "node_id", "device", "dtype", "pool", "run_id", "channel"}
     documented = set(re.findall(r"^    ([a-z_]+)\s{2,}", batch_module.__doc__, re.M))
     assert used, "the search found no key: the pattern no longer matches how the code writes them"
     assert used <= documented, f"batch.info keys used but not in data/batch.py's docstring: {sorted(used - documented)}"
