@@ -110,7 +110,7 @@ def ray_floors(works: dict, steps: int) -> dict:
     inside = w["generate"] + w["score"] + w["update"] + w["get_weights"] + w["set_weights"]
     rollout, reward, policy = actors = [ray.remote(Spinner).options(num_cpus=0).remote() for _ in range(3)]
 
-    def calls_now():
+    def ray_tasks():
         ray.get(rollout.spin.remote(w["generate"]))
         ray.get(reward.spin.remote(w["score"]))
         update, weights = policy.spin.remote(w["update"]), policy.spin.remote(w["get_weights"])
@@ -149,7 +149,7 @@ def ray_floors(works: dict, steps: int) -> dict:
         wait_first([call(c_rollout, w["set_weights"])], 60)
 
     out = {}
-    for name, step in (("ray tasks", calls_now), ("fewest", fewest), ("compiled", compiled),
+    for name, step in (("ray tasks", ray_tasks), ("fewest", fewest), ("compiled", compiled),
                        ("channels", channels)):
         walls = []
         for _ in range(steps + 3):

@@ -164,7 +164,6 @@ class RayWorkerGroup(Answers):
                     for ch, args in zip(self.channels, per_rank_args)]
             self._unsent.extend(held)
             return Pending(method, held, time.perf_counter())
-        per_rank_args = [tuple(self._value(a) for a in args) for args in per_rank_args]
         if self.channels:
             calls = [ChannelCall(ch, ch.send((where, self.role, method, args, kwargs)))
                      for ch, args in zip(self.channels, per_rank_args)]
@@ -179,21 +178,15 @@ class RayWorkerGroup(Answers):
         for call in unsent:
             where, role, method, args, kwargs = call.request
             try:
-                request = (where, role, method, tuple(self._value(a) for a in args), kwargs)
+                args = tuple(a.value() if isinstance(a, StoredAnswer) else a for a in args)
             except Exception as e:  # noqa: BLE001 - the other call's own error, raised where this one is collected
                 call.sent = ChannelCall.answered(False, e)
                 continue
-            call.sent = ChannelCall(call.channel, call.channel.send(request))
+            call.sent = ChannelCall(call.channel, call.channel.send((where, role, method, args, kwargs)))
 
-    def _value(self, arg):
-        """Another call's stored result passed on (the weights' handle to the engine): a channel's is waited for
-        here; a Ray reference goes as it is to a Ray call, which resolves it, and is fetched for a channel's."""
-        if isinstance(arg, StoredAnswer):
-            return arg.group._get([arg.call], arg.method)[0]
-        if self.channels and type(arg).__name__ == "ObjectRef":
-            import ray
-            return ray.get(arg)
-        return arg
+    def send_by_ray(self) -> None:
+        """Every call of this group as a Ray task from now on (`Workers`: channels for all roles or for none)."""
+        self.channels = None
 
     @by_reference
     def submit_shards(self, method: Method, batch: Batch, *args, **kwargs) -> Pending:
@@ -328,6 +321,10 @@ class StoredAnswer:
 
     def __init__(self, group: RayWorkerGroup, call: ChannelCall, method: str):
         self.group, self.call, self.method = group, call, method
+
+    def value(self):
+        """The result, once in (its call's failure raised, named as the sending group names it)."""
+        return self.group._get([self.call], self.method)[0]
 
 
 class Unsent:

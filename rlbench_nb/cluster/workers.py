@@ -50,9 +50,9 @@ class Workers:
     def one_way_of_calling(self) -> None:
         """Under Ray, channels (cluster/channel.py) for all roles or for none: a role on another node sends every
         role's calls as Ray tasks, so the weight push goes actor to actor, not through this process."""
-        if any(getattr(g, "channels", False) is None for g in self.groups.values()):
+        if not in_process(self.cfg) and any(g.channels is None for g in self.groups.values()):
             for g in self.groups.values():
-                g.channels = None
+                g.send_by_ray()
 
     def host_of(self, role: str) -> WorkerGroup | None:
         """The group whose processes `role` lives in (rollout.colocate under Ray), or None."""
