@@ -274,7 +274,7 @@ class Session:
         counts the step (the trainers did move): the engine is re-synced before the next rollout."""
         try:
             steps, moved, early = phase_calls.train(self.workers, batch, self.cfg.train, self.step_count,
-                                                    self.progress.kl.value, m)
+                                                    self.progress.kl.value, m, meanwhile=self.lease.renew_ahead)
             self.progress.trainer_steps.update(steps)
         except BaseException:
             self.state = "needs_resync"

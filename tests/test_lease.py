@@ -39,3 +39,30 @@ def test_renew_reads_the_file_even_when_its_signature_looks_like_its_own_write(t
     assert json.loads((tmp_path / "owner.json").read_text())["token"] == taker.token
     mine.release()  # reads too: the taker's file stays
     assert (tmp_path / "owner.json").exists() and taker.holds()
+
+
+def test_a_lease_renewed_during_the_update_is_only_checked_when_the_step_records(tmp_path):
+    """Session._train renews the lease while the trainers work (renew_ahead); the step's own renew then writes
+    nothing, but still reads the file: a take-over in between stops the step's record. A renewal that could
+    not happen ahead is the step's own to do, and to fail."""
+    mine = Lease(tmp_path)
+    mine.acquire()
+
+    def renewed() -> float:
+        return json.loads((tmp_path / "owner.json").read_text())["renewed"]
+    before = renewed()
+    mine.renew_ahead()
+    ahead = renewed()
+    assert ahead > before
+    mine.renew()  # the step's record: checked, not written again
+    assert renewed() == ahead
+    mine.renew()  # the next step, without a renewal ahead, writes again
+    assert renewed() > ahead
+    mine.renew_ahead()
+    Lease(tmp_path).acquire(take_over=True)
+    with pytest.raises(SessionStateError, match="cannot renew the run's lease"):
+        mine.renew()  # taken over after its renewal ahead: the step records nothing
+    other = Lease(tmp_path / "gone")  # a directory that is not there: every write fails
+    other.renew_ahead()  # quietly: the update goes on ...
+    with pytest.raises(OSError, match="owner.json"):
+        other.renew(since=1.0)  # ... and the write that belongs to the step says why

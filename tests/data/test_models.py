@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import rlbench_nb as rl
 from rlbench_nb.config import ConfigError, DataConfig
@@ -90,6 +91,44 @@ def test_a_system_prompt_goes_before_each_prompt_or_is_refused_where_the_templat
                          "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")  # as Gemma's
     with pytest.raises(ConfigError, match=r"fails on a system message \(data.system_prompt\).*not supported"):
         PromptCodec(tok, DataConfig(system_prompt="x"))
+
+
+def test_encode_left_pads_each_prompt_and_tokenises_it_once_per_settings(tmp_path, monkeypatch):
+    """PromptCodec.encode: each row's ids left-padded to the longest, repeated n times in place, the mask 1 on the
+    prompt, the row's fields beside. A prompt is tokenised once (the dataset check counts every prompt: a step's
+    prompts then cost no tokenizer call), again when a setting it depends on changed in the session, and every
+    time past the memo's size (MEMO_TOKENS)."""
+    from rlbench_nb import prompts
+    tok = make_tokenizer(tmp_path)
+    calls = []
+    real_call = type(tok).__call__
+    monkeypatch.setattr(type(tok), "__call__",
+                        lambda self, text, **kw: calls.append(text) or real_call(self, text, **kw))
+    data = DataConfig(chat_template=False)
+    codec = PromptCodec(tok, data)
+    rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "12+30=", "answer": "42"}]
+    expect = [real_call(tok, r["prompt"])["input_ids"] for r in rows]
+    width, pad = max(map(len, expect)), tok.pad_token_id
+    assert len(expect[0]) < width  # one row is padded
+    for tag in ("s0", "s1"):
+        b = codec.encode(rows, 2, tag)
+        assert b["prompt_ids_BP"].tolist() == [[pad] * (width - len(x)) + x for x in expect for _ in range(2)]
+        assert b["prompt_mask_BP"].tolist() == [[0] * (width - len(x)) + [1] * len(x) for x in expect for _ in range(2)]
+        assert b["prompt_ids_BP"].dtype == b["prompt_mask_BP"].dtype == torch.long
+        assert b["group"] == [f"{tag}-0", f"{tag}-0", f"{tag}-1", f"{tag}-1"] and b["answer"] == ["3", "3", "42", "42"]
+    assert calls == ["1+2=", "12+30="]  # once each, for two draws
+    data.system_prompt = "Be brief."  # sess.configure can change it: the old ids are not the prompt any more
+    assert codec.prompt_ids("1+2=") == real_call(tok, "Be brief.\n\n1+2=")["input_ids"]
+    data.chat_template, tok.chat_template = True, "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    assert codec.prompt_ids("1+2=") == real_call(tok, "<Be brief.><1+2=>", add_special_tokens=False)["input_ids"]
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }};{% endfor %}"  # a template fixed in the session
+    assert codec.prompt_ids("1+2=") == real_call(tok, "Be brief.;1+2=;", add_special_tokens=False)["input_ids"]
+    monkeypatch.setattr(prompts, "MEMO_TOKENS", 0)
+    fresh = PromptCodec(tok, data)
+    calls.clear()
+    fresh.encode(rows, 2, "s0"), fresh.encode(rows, 2, "s1")
+    assert len(calls) == 4  # nothing kept: tokenised each time, the same ids
+    assert fresh.prompt_ids("1+2=") == codec.prompt_ids("1+2=")
 
 
 def test_decode_keeps_only_the_masked_response_tokens_and_drops_special_ones(tmp_path):
