@@ -8,7 +8,9 @@ group (median over --calls). `sync`: policy -> rollout weight push, against a pl
 the same tensors. `overhead %`: over --steps GRPO steps of the tiny config (the issue's yardstick: 8
 prompts x 8 samples, <= 8 new tokens), the share of each step's wall time not spent inside a worker
 method: dispatch, (de)serialisation, the controller's own bookkeeping (decode, advantages, metrics).
-`serial ms`: the part of a step with no worker call in flight, the controller's own Python on its path.
+`serial ms`: the part of a step with no worker call in flight, the controller's own Python on its path; `in flight
+ms`: the rest of the overhead, calls on their way with no worker method running (pickling, sockets, wake-ups, the
+weight store).
 `floors` (Ray backends that push to another actor): the same step's calls on bare Ray actors that only spin
 for each call's measured median seconds, with nothing in between — what the transport alone costs on this
 machine, in the same run — as Ray tasks (`ray tasks`), with the fewest round trips tasks allow (`fewest`), over
@@ -35,10 +37,11 @@ TINY = ["data.batch_size=8", "rollout.n=8", "rollout.max_new_tokens=8", "algo.re
         "train.micro_batch_size=4096", "run.save_rollouts_every=0", "cluster.num_threads=2"]
 
 
-def step_overhead(sess, steps: int) -> tuple[float, float, float, dict]:
+def step_overhead(sess, steps: int) -> tuple[float, float, float, dict, float]:
     """(median step seconds, median share of it outside worker methods, median seconds with no worker call in
-    flight — the controller's own Python on the step's path —, (role, method) -> median seconds inside it)."""
-    walls, shares, serials, works = [], [], [], {}
+    flight — the controller's own Python on the step's path —, (role, method) -> median seconds inside it,
+    median seconds of the rest of the overhead: calls in flight with no worker method running)."""
+    walls, shares, serials, flights, works = [], [], [], [], {}
     for i in range(steps + 3):
         t0 = time.perf_counter()
         sess.step()
@@ -59,8 +62,9 @@ def step_overhead(sess, steps: int) -> tuple[float, float, float, dict]:
         walls.append(t1 - t0)
         shares.append(max(0.0, (t1 - t0 - inside) / (t1 - t0)))
         serials.append(t1 - t0 - covered(spans))
+        flights.append(t1 - t0 - inside - serials[-1])
     return (statistics.median(walls), statistics.median(shares), statistics.median(serials),
-            {k: statistics.median(v) for k, v in works.items()})
+            {k: statistics.median(v) for k, v in works.items()}, statistics.median(flights))
 
 
 def covered(spans: list[tuple[float, float]]) -> float:
@@ -202,7 +206,7 @@ def measure(backend: str, calls: int, steps: int) -> dict:
     for _ in range(5):
         {k: v.clone() for k, v in weights.items()}
     copy_s = (time.perf_counter() - t) / 5
-    step_s, share, serial_s, works = step_overhead(sess, steps)
+    step_s, share, serial_s, works, flight_s = step_overhead(sess, steps)
     pushes = sess.groups["policy"].last_transport != "here" if cfg.cluster.backend == "ray" else False
     sess.close()
     nbytes = syncs[0]["sync/bytes"]
@@ -210,7 +214,7 @@ def measure(backend: str, calls: int, steps: int) -> dict:
     return {"backend": backend, "cluster_start_s": cluster_s, "session_start_s": session_s,
             "empty_call_ms": 1e3 * statistics.median(rtt), "sync_s": sync_s, "sync_MB_s": nbytes / sync_s / 1e6,
             "copy_MB_s": nbytes / copy_s / 1e6, "bytes": nbytes, "step_s": step_s, "overhead_share": share,
-            "serial_s": serial_s, "floors": floors}
+            "serial_s": serial_s, "in_flight_s": flight_s, "floors": floors}
 
 
 def main() -> None:
@@ -224,11 +228,12 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     rows = [measure(b, args.calls, args.steps) for b in args.backends]
     print(f"\n{'backend':<14} {'cluster s':>9} {'session s':>9} {'empty call ms':>13} {'sync ms':>8} "
-          f"{'sync MB/s':>9} {'copy MB/s':>9} {'step ms':>8} {'overhead %':>10} {'serial ms':>9}")
+          f"{'sync MB/s':>9} {'copy MB/s':>9} {'step ms':>8} {'overhead %':>10} {'serial ms':>9} {'in flight ms':>12}")
     for r in rows:
         print(f"{r['backend']:<14} {r['cluster_start_s']:>9.1f} {r['session_start_s']:>9.1f} "
               f"{r['empty_call_ms']:>13.2f} {1e3 * r['sync_s']:>8.1f} {r['sync_MB_s']:>9.0f} {r['copy_MB_s']:>9.0f} "
-              f"{1e3 * r['step_s']:>8.1f} {100 * r['overhead_share']:>9.0f}% {1e3 * r['serial_s']:>9.1f}")
+              f"{1e3 * r['step_s']:>8.1f} {100 * r['overhead_share']:>9.0f}% {1e3 * r['serial_s']:>9.1f} "
+              f"{1e3 * r['in_flight_s']:>12.1f}")
     for r in rows:
         if r["floors"]:
             print(f"\nfloors of the {r['backend']} step: its calls on bare actors that spin for each call's "
