@@ -26,7 +26,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .errors import SessionStateError
+from .errors import SessionStateError, not_recorded
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,17 @@ class SessionGuard:
                 raise
             if repairs and self.state == "needs_resync":
                 self.state = "ready"
+
+    @contextmanager
+    def recording(self, step: int):
+        """Writing step `step`'s record after its trainers moved: a write that fails (no space, a read-only
+        mount) leaves the session `needs_resync`, never `ready` with counts that disagree for good."""
+        try:
+            yield
+        except OSError as e:
+            self.state = "needs_resync"
+            raise not_recorded(e, f"Step {step}'s update was applied", "sess.resync() returns every role to the "
+                               "latest checkpoint") from e
 
     def check(self, what: str, repairs: bool = False) -> None:
         """Raise SessionStateError, saying what to do, where `phase(what)` would be refused."""

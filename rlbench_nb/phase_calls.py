@@ -206,10 +206,12 @@ def train(workers: Workers, batch: Batch, t, step: int, kl_coef: float, m: dict,
     return steps, True, early
 
 
-def push(workers: Workers, early: tuple | None, version: int) -> dict:
+def push(workers: Workers, early: tuple | None, version: int, meanwhile: Callable[[], None] = lambda: None) -> dict:
     """The update's weights to the engines (`early`: the push train() queued behind the update; its
-    sync/s counts what it added after the update)."""
-    return workers.finish_sync(early, since=time.perf_counter()) if early else workers.sync(version)
+    sync/s counts what it added after the update); `meanwhile()` runs while the engines load them."""
+    if early:
+        return workers.finish_sync(early, since=time.perf_counter(), meanwhile=meanwhile)
+    return workers.sync(version, meanwhile=meanwhile)
 
 
 def submit(workers: Workers, role: str, method, batch: Batch) -> tuple[WorkerGroup, Pending]:

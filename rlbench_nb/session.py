@@ -86,6 +86,7 @@ class Session:
             self.load_controller_state(self.rundir.read_state())
             if self.progress.trainers_ahead(self.workers):
                 self.state = "needs_resync"
+            self.workers.expect_weights(self.step_count)
         _LIVE.add(self)
 
     def _load_inputs(self, run_dir: str | Path | None = None) -> None:
@@ -264,14 +265,16 @@ class Session:
             m["time/step_s"] = compute.step_seconds(m, batch.info.get("wall_start"))
             if "async/staleness" in m:  # a run's async step (runner.py): how busy each side kept the other
                 m.update(timeline.idle_fractions(self.groups, batch.info["wall_start"], m["time/step_s"]))
-            mismatch_alarm(m, self.cfg.algo.mismatch_alarm, self.step_count + 1)
+            mismatch_alarm(m, self.cfg.algo.mismatch_alarm, self.step_count)
             self._commit_step(batch, m)
             return m
 
     def _train(self, batch: Batch, m: dict) -> None:
-        """The optimizer steps, then the weight push. A trainer that fails may have applied part of its
-        step: the session then refuses phases until `resync()`. A push that fails after the update still
-        counts the step (the trainers did move): the engine is re-synced before the next rollout."""
+        """The optimizer steps, then the push, the step counted while the engine loads (_count_step). A trainer
+        that fails may have applied part of its step: the session then refuses phases until `resync()`. A push
+        that fails after the update still counts the step (the trainers did move), its row written: the engine
+        is re-synced before the next rollout."""
+        version = self.step_count + 1
         try:
             steps, moved, early = phase_calls.train(self.workers, batch, self.cfg.train, self.step_count,
                                                     self.progress.kl.value, m, meanwhile=self.lease.renew_ahead)
@@ -280,23 +283,28 @@ class Session:
             self.state = "needs_resync"
             raise
         try:  # in the critic's warm-up the policy did not move: nothing to push
-            m.update(phase_calls.push(self.workers, early, self.step_count + 1) if moved else {})
+            if not moved:
+                return self._count_step(batch, m)
+            m.update(phase_calls.push(self.workers, early, version, meanwhile=lambda: self._count_step(batch, m)))
         except Exception:  # workers.push_failed: the next rollout pushes again first
-            self._commit_step(batch, m)
+            if self.state != "needs_resync":  # the step counted, its push failed: the row still written
+                self._commit_step(batch, m)
             raise
 
+    def _count_step(self, batch: Batch, m: dict) -> None:
+        """The step taken: lease checked, step count and KL controller moved, controller_state.json written, all
+        before the row (_commit_step): a controller killed between leaves trainers and record agreeing, one row
+        short (killed during the push: attach pushes again, expect_weights)."""
+        with self.guard.recording(self.step_count + 1):
+            self.lease.renew()  # first: a session taken over mid-step writes nothing more
+            # the KL the update's own forward measured, else prepare's
+            self.progress.commit(m.pop("kl_current", batch.info.get("kl_current")), len(batch))
+            self.rundir.write_state(self.controller_state())
+
     def _commit_step(self, batch: Batch, m: dict) -> None:
-        """The step's bookkeeping, all together: step count, KL controller, metrics row, controller state. The
-        trainers have moved already: a write of those that fails (no space, a read-only mount) leaves the
-        session `needs_resync`, never `ready` with counts that disagree for good. The samples file after them
-        costs only itself."""
-        step = self.step_count + 1
-        try:
-            self._record_step(batch, m)
-        except OSError as e:
-            self.state = "needs_resync"
-            raise not_recorded(e, f"Step {step}'s update was applied", "sess.resync() returns every role to the "
-                               "latest checkpoint") from e
+        """The step's row, then its samples file (which costs only itself)."""
+        with self.guard.recording(self.step_count):
+            self.metrics.record_step(self.step_count, m)
         try:
             k = self.cfg.run.save_rollouts_every
             if k and self.step_count % k == 0:
@@ -306,13 +314,6 @@ class Session:
         finally:
             self.metrics.notify(m)  # once the step is on disk: a subscriber sees only committed steps
             self.skips.observe(self.step_count, m)
-
-    def _record_step(self, batch: Batch, m: dict) -> None:
-        self.lease.renew()  # first: a session taken over mid-step writes nothing more
-        # the KL the update's own forward measured, else prepare's
-        self.progress.commit(m.pop("kl_current", batch.info.get("kl_current")), len(batch))
-        self.metrics.record_step(self.step_count, m)
-        self.rundir.write_state(self.controller_state())
 
     def step(self) -> dict:
         """One iteration: rollout -> score -> prepare -> update. Returns the step's metrics row.

@@ -123,6 +123,25 @@ def test_sigint_at_random_moments_leaves_every_count_in_agreement(tmp_path, back
     assert checks["resume_matches"]  # the checkpoint saved amid the interrupts resumes exactly
 
 
+def test_a_controller_killed_before_the_steps_row_leaves_a_record_attach_continues_from(small_cfg, tmp_path,
+                                                                                        monkeypatch):
+    """controller_state.json is written while the weight push runs, before the step's metrics row: a controller
+    killed between the two leaves the trainers, the engine and the record agreeing (what `Session.attach` asks:
+    no resync, no push due), one row short."""
+    with rl.Session(small_cfg("run.tensorboard=false"), run_dir=tmp_path / "run") as sess:
+        sess.step()
+
+        def killed(step, row):
+            raise SystemExit("the kernel died here")
+        monkeypatch.setattr(sess.metrics, "record_step", killed)
+        with pytest.raises(SystemExit):
+            sess.step()
+        record = sess.rundir.read_state()
+        assert record["step"] == 2 and len(sess.history) == 1
+        sess.load_controller_state(record)  # what attach reads back, then asks the workers
+        assert not sess.progress.trainers_ahead(sess.workers) and not sess.workers.expect_weights(2)
+
+
 def test_trainers_past_the_last_committed_step_are_found_on_attach(small_cfg, tmp_path, caplog):
     """A controller killed between an update and its commit leaves the trainers a step past its record.
     What `Session.attach` does (read the record back, ask the trainers) puts the session into needs_resync,

@@ -49,9 +49,13 @@ def test_a_weight_push_the_engine_did_not_take_is_caught_on_that_step(small_cfg,
                                                      r"policy sent"):
             sess.step()
         assert sess.step_count == 2 and sess.state == "ready"
+        assert engine.weight_version == 1  # what it is known to hold: the last verified push's step
+        sess.workers.push_failed = False  # a controller killed now knew of the failure; one attaching does not ...
+        assert sess.workers.expect_weights(sess.step_count)  # ... and finds it in the engine (Session's attach)
         del engine._targets  # repaired: the next rollout's push loads into the model again
         sess.step()
         assert_rollout_holds_policy_weights(sess)
+        assert engine.weight_version == sess.step_count == 3 and not sess.workers.expect_weights(3)
 
 
 def test_the_inspector_colours_tokens_by_the_mismatch(small_cfg, tmp_path):

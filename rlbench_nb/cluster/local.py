@@ -85,6 +85,9 @@ class LocalWorkerGroup:
     def collect(self, pending: Pending) -> list:
         return pending.handles
 
+    def send_held(self) -> None:
+        """Nothing is ever held here: a call runs when it is made."""
+
     @by_reference
     def call_split(self, method: Method, batch: Batch, *args, **kwargs) -> Batch:
         """`call_shards`, with the ranks' result batches concatenated back in order."""

@@ -158,7 +158,7 @@ class RayWorkerGroup(Answers):
     def _submit(self, method: str, per_rank_args: list[tuple], kwargs: dict, where: str | None = None) -> Pending:
         """Each rank's call, by its channel where it has one (`where`: a stored call's transport), after the calls
         of this group still held for another call's result (`Unsent`)."""
-        self._send_unsent()
+        self.send_held()
         if self.channels and any(isinstance(a, StoredAnswer) for args in per_rank_args for a in args):
             held = [Unsent(ch, (where, self.role, method, args, kwargs))
                     for ch, args in zip(self.channels, per_rank_args)]
@@ -171,7 +171,7 @@ class RayWorkerGroup(Answers):
         refs = [a.call.remote(self.role, method, *args, **kwargs) for a, args in zip(self.actors, per_rank_args)]
         return Pending(method, refs, time.perf_counter())
 
-    def _send_unsent(self) -> None:
+    def send_held(self) -> None:
         """Send the held calls in order, each once the result it holds is in; one whose result's call failed fails
         with that error when collected (as a Ray task on a failed reference does)."""
         unsent, self._unsent = self._unsent, []
@@ -196,7 +196,7 @@ class RayWorkerGroup(Answers):
     def collect(self, pending: Pending) -> list:
         handles = pending.handles
         if handles and isinstance(handles[0], Unsent):
-            self._send_unsent()
+            self.send_held()
             handles = [h.sent for h in handles]
         out = self._get(handles, pending.method)
         end = time.perf_counter()
@@ -252,7 +252,7 @@ class RayWorkerGroup(Answers):
     def call_rank0(self, method: Method, *args, **kwargs) -> Any:
         start = time.perf_counter()
         if self.channels:
-            self._send_unsent()
+            self.send_held()
             call = ChannelCall(self.channels[0], self.channels[0].send((None, self.role, method, args, kwargs)))
         else:
             call = self.actors[0].call.remote(self.role, method, *args, **kwargs)

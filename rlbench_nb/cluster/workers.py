@@ -9,7 +9,9 @@ a push that failed. The one owner of those: a restart or restore re-applies them
 """
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import UsageError
@@ -151,13 +153,24 @@ class Workers:
         pending = policy.submit_stored("get_weights", copy=False, dtype=self.rollout_dtype(), to=rollout)
         return t0, pending, rollout.submit("set_weights", pending.stored[0], version), version
 
-    def finish_sync(self, started: tuple, since: float | None = None) -> dict:
-        """Wait for the push; `sync/s` counts from its start, or from `since`. An engine that does not hold
-        what was sent is a WeightSyncError naming rank and tensor. A push that fails is remembered
-        (`push_failed`): the next rollout pushes again first (`catch_up`)."""
+    def finish_sync(self, started: tuple, since: float | None = None, meanwhile: Callable[[], None] = lambda: None
+                    ) -> dict:
+        """Wait for the push; `sync/s` counts from its start, or from `since`. `meanwhile()` runs once the
+        engine's part is on its way (the controller's own work beside the engine's load), also when the
+        policy's part failed. An engine that does not hold what was sent is a WeightSyncError naming rank and
+        tensor. A push that fails is remembered (`push_failed`): the next rollout pushes again first (`catch_up`)."""
         self.push_failed = True
         t0, pending, push, version = started
-        self.groups["policy"].collect(pending)  # first: when the policy failed, its own error names it
+        try:
+            self.groups["policy"].collect(pending)  # first: when the policy failed, its own error names it
+            self.groups["rollout"].send_held()
+        finally:
+            try:
+                meanwhile()
+            except BaseException:
+                with contextlib.suppress(Exception):  # nothing of the push left in flight
+                    self.groups["rollout"].collect(push)
+                raise
         res = self.groups["rollout"].collect(push)
         out = {"sync/s": time.perf_counter() - (since or t0), "sync/bytes": sum(r["bytes"] for r in res)}
         for rank, r in enumerate(res):  # engines that verify their load (HF) say which tensor is not as sent
@@ -172,13 +185,23 @@ class Workers:
         self.push_failed = False
         return out
 
-    def sync(self, version: int) -> dict:
+    def sync(self, version: int, meanwhile: Callable[[], None] = lambda: None) -> dict:
         try:
             started = self.start_sync(version)
         except BaseException:
             self.push_failed = True
+            meanwhile()
             raise
-        return self.finish_sync(started)
+        return self.finish_sync(started, meanwhile=meanwhile)
+
+    def expect_weights(self, version: int) -> bool:
+        """Attached to running workers: unless every engine holds the policy's weights of step `version` (its
+        last verified push), the next rollout pushes them first — a controller killed during a push, or after one
+        that failed, left a stale engine. Also after a critic's warm-up (no push while the policy waits): one push
+        too many. Returns whether one is due."""
+        held = [state["weight_version"] for state in self.groups["rollout"].call("get_state")]
+        self.push_failed = self.push_failed or any(v != version for v in held)
+        return self.push_failed
 
     def catch_up(self, version: int) -> None:
         """Before generating: push the weights again when the last push failed after its update."""

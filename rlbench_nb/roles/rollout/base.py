@@ -40,7 +40,7 @@ class RolloutWorker:
     and `close` (engines with processes of their own)."""
 
     role = "rollout"
-    weight_version = 0
+    weight_version = 0  # the session step whose policy weights this engine holds, set by a verified set_weights
 
     # what the controller calls, declared here for every engine (the controller names them by reference:
     # `group.submit_shards(RolloutWorker.generate, ...)`)

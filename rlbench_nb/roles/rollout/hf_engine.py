@@ -125,10 +125,12 @@ class HFRolloutWorker(RolloutWorker):
             with torch.no_grad():
                 for k, v in state.items():
                     self._targets[k].copy_(v, non_blocking=True)
-        self.weight_version = version
         # read back from the live model, not from the copy targets: a load into anything else is caught
-        return {"bytes": sum(v.numel() * v.element_size() for v in state.values()),
-                **self._verify(state, self.model.state_dict())}
+        out = {"bytes": sum(v.numel() * v.element_size() for v in state.values()),
+               **self._verify(state, self.model.state_dict())}
+        if out["mismatch"] is None:  # the version names weights this engine is known to hold
+            self.weight_version = version
+        return out
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The engine's weights, on the CPU (to compare with the policy's)."""

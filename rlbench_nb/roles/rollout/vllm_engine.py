@@ -151,10 +151,12 @@ class VLLMRolloutWorker(RolloutWorker):
         save_file({k: v.contiguous() for k, v in state.items()}, str(self.weights_dir / "model.safetensors"))
         write_s = time.perf_counter() - t0
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.weights_dir)})
-        self.weight_version = version
         reload_s = time.perf_counter() - t0 - write_s
-        return {"bytes": sum(v.numel() * v.element_size() for v in state.values()), "write_s": write_s,
-                "reload_s": reload_s, **self._verify_by_outputs(state)}
+        out = {"bytes": sum(v.numel() * v.element_size() for v in state.values()), "write_s": write_s,
+               "reload_s": reload_s, **self._verify_by_outputs(state)}
+        if not out.get("mismatch"):  # the version names weights this engine is known to hold
+            self.weight_version = version
+        return out
 
     def _verify_by_outputs(self, state: dict[str, torch.Tensor]) -> dict:
         """`mismatch` when most pushed tensors changed since the last push but the probe's log-probs did not
