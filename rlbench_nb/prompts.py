@@ -76,7 +76,8 @@ def _tokenizer_key(model_dir: str) -> dict:
 
 
 class PromptCodec:
-    def __init__(self, tokenizer, data: DataConfig):
+    def __init__(self, tokenizer, data: DataConfig, memo_tokens: int = MEMO_TOKENS):
+        """`memo_tokens`: how many prompt tokens to keep (0 where texts rarely repeat: an episode's observations)."""
         self.tokenizer = tokenizer
         self.data = data
         if tokenizer.pad_token_id is None:
@@ -90,7 +91,7 @@ class PromptCodec:
         # prompt -> its ids, filled when the dataset is checked (every prompt is counted then): a step's prompts
         # then cost no tokenizer call (a chat template's rendering is ~0.1 ms a prompt, on the step's path)
         self._memo: dict[tuple, array] = {}
-        self._memo_tokens = 0
+        self._memo_room = memo_tokens
 
     @cached_property
     def max_chars_per_token(self) -> int:
@@ -113,9 +114,9 @@ class PromptCodec:
             ids = array("i", tok(text, add_special_tokens=False)["input_ids"])
         else:
             ids = array("i", tok(prompt if system is None else f"{system}\n\n{prompt}")["input_ids"])
-        if self._memo_tokens + len(ids) <= MEMO_TOKENS:
+        if len(ids) <= self._memo_room:
             self._memo[key] = ids
-            self._memo_tokens += len(ids)
+            self._memo_room -= len(ids)
         return ids
 
     def encode(self, rows: list[dict], n: int, tag: str) -> Batch:

@@ -97,8 +97,7 @@ def test_encode_left_pads_each_prompt_and_tokenises_it_once_per_settings(tmp_pat
     """PromptCodec.encode: each row's ids left-padded to the longest, repeated n times in place, the mask 1 on the
     prompt, the row's fields beside. A prompt is tokenised once (the dataset check counts every prompt: a step's
     prompts then cost no tokenizer call), again when a setting it depends on changed in the session, and every
-    time past the memo's size (MEMO_TOKENS)."""
-    from rlbench_nb import prompts
+    time past the memo's size (`memo_tokens`; 0 in a rollout worker, whose observations rarely repeat)."""
     tok = make_tokenizer(tmp_path)
     calls = []
     real_call = type(tok).__call__
@@ -123,8 +122,7 @@ def test_encode_left_pads_each_prompt_and_tokenises_it_once_per_settings(tmp_pat
     assert codec.prompt_ids("1+2=") == real_call(tok, "<Be brief.><1+2=>", add_special_tokens=False)["input_ids"]
     tok.chat_template = "{% for m in messages %}{{ m['content'] }};{% endfor %}"  # a template fixed in the session
     assert codec.prompt_ids("1+2=") == real_call(tok, "Be brief.;1+2=;", add_special_tokens=False)["input_ids"]
-    monkeypatch.setattr(prompts, "MEMO_TOKENS", 0)
-    fresh = PromptCodec(tok, data)
+    fresh = PromptCodec(tok, data, memo_tokens=0)
     calls.clear()
     fresh.encode(rows, 2, "s0"), fresh.encode(rows, 2, "s1")
     assert len(calls) == 4  # nothing kept: tokenised each time, the same ids

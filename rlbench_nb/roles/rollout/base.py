@@ -93,7 +93,7 @@ class RolloutWorker:
         from ...envs import ThreadPerCall
         from ...prompts import PromptCodec
         if getattr(self, "_codec", None) is None:
-            self._codec = PromptCodec(AutoTokenizer.from_pretrained(self.model_dir), self.cfg.data)
+            self._codec = PromptCodec(AutoTokenizer.from_pretrained(self.model_dir), self.cfg.data, memo_tokens=0)
             self._env_pool = ThreadPerCall()  # a hung step holds its own thread, not the next steps' slot
         if isinstance(rows, Batch):
             rows = [dict(zip(rows.meta, values)) for values in zip(*rows.meta.values())]
