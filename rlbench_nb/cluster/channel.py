@@ -16,6 +16,7 @@ attaching a detached run) takes the channel over: the first one's connection is 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import pickle
 import select
@@ -29,6 +30,21 @@ from collections.abc import Callable
 from typing import Any
 
 _HEADER = struct.Struct("!Q")
+_DIR_PREFIX = "rlbench-nb-calls-"  # + pid-random: a server's socket directory in the temporary folder
+
+
+def _remove_dead_servers_dirs() -> None:
+    """The socket directories of servers whose process is gone (an actor killed never closes its server)."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{_DIR_PREFIX}*-*")):
+        pid = os.path.basename(path)[len(_DIR_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or os.stat(path).st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # alive, another user's
+            pass
 
 
 def write_frame(sock: socket.socket, obj: Any) -> None:
@@ -57,7 +73,9 @@ class ChannelServer:
 
     def __init__(self, handle: Callable[[Any], Any]):
         self.handle = handle
-        self.dir = tempfile.mkdtemp(prefix="rlbench-nb-calls-")  # mode 0700: only this user connects
+        _remove_dead_servers_dirs()
+        # mode 0700: only this user connects; the pid in the name: a process killed without closing is found later
+        self.dir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
         self.path = os.path.join(self.dir, "socket")
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self.path)

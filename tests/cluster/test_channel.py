@@ -119,3 +119,25 @@ def test_two_threads_of_one_controller_each_get_their_own_answer(echo):
         assert got == {f"t{i}": (0, True, f"t{i}") for i in range(8)}
     finally:
         channel.disconnect(echo.path)
+
+
+def test_a_server_removes_the_socket_directories_of_processes_that_are_gone(tmp_path, monkeypatch):
+    """An actor killed never closes its server: the next server started on the machine removes the directory the
+    dead process left, and no other (a live process's, a name it did not make)."""
+    import subprocess
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid names no process now
+    left = tmp_path / f"rlbench-nb-calls-{dead.pid}-abc"
+    live = tmp_path / f"rlbench-nb-calls-{os.getpid()}-def"
+    other = tmp_path / "rlbench-nb-calls-notapid-x"
+    for d in (left, live, other):
+        d.mkdir()
+    server = ChannelServer(lambda request: request)
+    try:
+        assert not left.exists() and live.exists() and other.exists()
+        assert os.path.basename(server.dir).startswith(f"rlbench-nb-calls-{os.getpid()}-")
+    finally:
+        server.close()
+    assert not os.path.exists(server.dir)
