@@ -25,6 +25,7 @@ from .conftest import REPO, SMALL, assert_rollout_holds_policy_weights
 
 TRAIN = [*SMALL, "run.tensorboard=false", "run.save_rollouts_every=0", "run.checkpoint_every=5",
          "cluster.num_threads=1"]
+STEPS = 60  # killed once step 10 is saved: the 50 after it (~2.5 s here) leave room for this test to be scheduled
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -48,6 +49,7 @@ def _kill_when(proc: subprocess.Popen, path: Path, how: str = "kill", timeout: f
         assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {path} appeared"
         assert time.time() < deadline, f"{path} never appeared"
         time.sleep(0.02)
+    assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before it could be stopped ({path} seen late)"
     if how == "kill":
         proc.kill()
         proc.wait(timeout=30)
@@ -74,11 +76,11 @@ def _same_as_straight(killed: Path, straight: Path, steps: int) -> None:
 
 def _cli(run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "rlbench_nb.cli", "train", "configs/arith_grpo.yaml", "--quiet", *TRAIN,
-            "run.steps=30", f"run.dir={run_dir}"]
+            f"run.steps={STEPS}", f"run.dir={run_dir}"]
 
 
 def _script_cmd(script: Path, run_dir: Path) -> list[str]:
-    return [sys.executable, str(script), "--steps", "30", "--run-dir", str(run_dir), *TRAIN]
+    return [sys.executable, str(script), "--steps", str(STEPS), "--run-dir", str(run_dir), *TRAIN]
 
 
 # one straight run for both ways of killing (kill, interrupt): the killed runs are compared with it
@@ -106,7 +108,7 @@ def test_killed_cli_run_resumes_with_the_metrics_of_a_straight_run(tmp_path, how
     proc = _start([*_cli(tmp_path), "run.name=killed"], tmp_path / "killed.log")
     _kill_when(proc, tmp_path / "killed" / "checkpoints" / "step_10" / "COMPLETE", how)
     _run([sys.executable, "-m", "rlbench_nb.cli", "train", "--resume", str(tmp_path / "killed"), "--quiet"])
-    _same_as_straight(tmp_path / "killed", straight_cli_run, 30)
+    _same_as_straight(tmp_path / "killed", straight_cli_run, STEPS)
 
 
 # Cost ~20 s each: the exported script killed mid-run and resumed with --resume; the straight run is the module
@@ -116,8 +118,8 @@ def test_killed_exported_script_resumes_with_the_metrics_of_a_straight_run(tmp_p
     script, straight = quickstart_script
     proc = _start(_script_cmd(script, tmp_path / "killed"), tmp_path / "killed.log")
     _kill_when(proc, tmp_path / "killed" / "checkpoints" / "step_10" / "COMPLETE", how)
-    _run([sys.executable, str(script), "--steps", "30", "--resume", str(tmp_path / "killed")])
-    _same_as_straight(tmp_path / "killed", straight, 30)
+    _run([sys.executable, str(script), "--steps", str(STEPS), "--resume", str(tmp_path / "killed")])
+    _same_as_straight(tmp_path / "killed", straight, STEPS)
 
 
 KILL_MID_SAVE = """
