@@ -111,15 +111,15 @@ class SessionGuard:
                 self.state = "ready"
 
     @contextmanager
-    def recording(self, step: int):
-        """Writing step `step`'s record after its trainers moved: a write that fails (no space, a read-only
-        mount) leaves the session `needs_resync`, never `ready` with counts that disagree for good."""
+    def recording(self, done: str, fix: str = "sess.resync() returns every role to the latest checkpoint"):
+        """Writing the record of what the workers `done` already (an update, a way back): a write that fails (no
+        space, a read-only mount) leaves the session `needs_resync`, never `ready` at a step its files do not
+        hold; the error says what was done and the `fix` (errors.not_recorded)."""
         try:
             yield
         except OSError as e:
             self.state = "needs_resync"
-            raise not_recorded(e, f"Step {step}'s update was applied", "sess.resync() returns every role to the "
-                               "latest checkpoint") from e
+            raise not_recorded(e, done, fix) from e
 
     def check(self, what: str, repairs: bool = False) -> None:
         """Raise SessionStateError, saying what to do, where `phase(what)` would be refused."""

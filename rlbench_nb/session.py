@@ -31,7 +31,7 @@ from .cluster.workers import Workers
 from .config import Config
 from .data.batch import Batch
 from .determinism import seed_process
-from .errors import UsageError, not_recorded
+from .errors import UsageError
 from .guard import SessionGuard, deferred_interrupts
 from .inputs import load_inputs
 from .metrics import compute, timeline
@@ -283,9 +283,10 @@ class Session:
             self.state = "needs_resync"
             raise
         try:  # in the critic's warm-up the policy did not move: nothing to push
-            if not moved:
-                return self._count_step(batch, m)
-            m.update(phase_calls.push(self.workers, early, version, meanwhile=lambda: self._count_step(batch, m)))
+            if moved:
+                m.update(phase_calls.push(self.workers, early, version, meanwhile=lambda: self._count_step(batch, m)))
+            else:
+                self._count_step(batch, m)
         except Exception:  # workers.push_failed: the next rollout pushes again first
             if self.state != "needs_resync":  # the step counted, its push failed: the row still written
                 self._commit_step(batch, m)
@@ -295,7 +296,7 @@ class Session:
         """The step taken: lease checked, step count and KL controller moved, controller_state.json written, all
         before the row (_commit_step): a controller killed between leaves trainers and record agreeing, one row
         short (killed during the push: attach pushes again, expect_weights)."""
-        with self.guard.recording(self.step_count + 1):
+        with self.guard.recording(f"Step {self.step_count + 1}'s update was applied"):
             self.lease.renew()  # first: a session taken over mid-step writes nothing more
             # the KL the update's own forward measured, else prepare's
             self.progress.commit(m.pop("kl_current", batch.info.get("kl_current")), len(batch))
@@ -303,7 +304,7 @@ class Session:
 
     def _commit_step(self, batch: Batch, m: dict) -> None:
         """The step's row, then its samples file (which costs only itself)."""
-        with self.guard.recording(self.step_count):
+        with self.guard.recording(f"Step {self.step_count}'s update was applied"):
             self.metrics.record_step(self.step_count, m)
         try:
             k = self.cfg.run.save_rollouts_every
@@ -443,18 +444,16 @@ class Session:
         """The closing steps of every way back (a checkpoint, a snapshot, a branch's end): the controller's
         state, the engine onto the trainers' weights, and on the main line controller_state.json, so a
         controller killed next re-attaches where the session now is. Not by a session taken over since: it
-        no longer writes the run. A write that fails leaves the session `needs_resync` (errors.not_recorded)."""
-        try:
+        no longer writes the run. A write that fails leaves the session `needs_resync` (guard.recording)."""
+        # the workers are back already: refused until the files say so too
+        with self.guard.recording(f"The workers returned to step {state['step']}", "do the same again (restore, "
+                                  "load or adopt), or sess.resync() for the latest checkpoint"):
             self.load_controller_state(state, metrics)  # metric rows past the step move aside: a write
             try:
                 self.workers.sync(version=self.step_count)
             finally:  # a failed push is caught up at the next one; the file follows the controller regardless
                 if self.current_branch is None and self.lease.holds(reread=True):
                     self.rundir.write_state(self.controller_state())
-        except OSError as e:  # the workers are back already: refused until the files say so too
-            self.state = "needs_resync"
-            raise not_recorded(e, f"The workers returned to step {self.step_count}", "do the same again (restore, "
-                               "load or adopt), or sess.resync() for the latest checkpoint") from e
 
     # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
