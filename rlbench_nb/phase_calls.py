@@ -182,12 +182,10 @@ def reuses_logprobs(cfg, workers: Workers, step: int) -> bool:
             and ("critic" not in workers or step >= t.critic_warmup))  # a policy update runs
 
 
-def train(workers: Workers, batch: Batch, t, step: int, kl_coef: float, m: dict,
-          meanwhile: Callable[[], None] = lambda: None) -> tuple[dict, bool, tuple | None]:
+def train(workers: Workers, batch: Batch, t, step: int, kl_coef: float, m: dict) -> tuple[dict, bool, tuple | None]:
     """The critic's and then the policy's optimizer steps on `batch` (the policy's from `t.critic_warmup`
-    on), their metrics into `m`; `meanwhile()` runs while the policy's update does. Returns (role -> its
-    optimizer's step count now, whether the policy moved, the weight push already queued behind the policy's
-    update where the backend overlaps them, or None)."""
+    on), their metrics into `m`. Returns (role -> its optimizer's step count now, whether the policy moved,
+    the weight push already queued behind the policy's update where the backend overlaps them, or None)."""
     steps = {}
     if "critic" in workers:
         critic = workers.groups["critic"]
@@ -200,7 +198,6 @@ def train(workers: Workers, batch: Batch, t, step: int, kl_coef: float, m: dict,
     pending = policy.submit_shards(PolicyWorker.update, minibatch_major(batch, t.mini_batches, policy.world_size),
                                    kl_coef)
     early = workers.start_sync(step + 1) if workers.pushes_behind_update() else None
-    meanwhile()
     m.update(compute.mean_over_ranks(policy.collect(pending)))
     steps["policy"] = int(m.pop("adam_steps"))
     return steps, True, early

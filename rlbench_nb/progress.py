@@ -10,6 +10,7 @@ save and how its last run() ended. The Session holds one `Progress` and nothing 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .algos import make_kl_controller
@@ -44,6 +45,18 @@ class Progress:
         if kl_current is not None:
             self.kl.update(kl_current, n_steps=n_samples)
         return self.step
+
+    @contextmanager
+    def committing(self, kl_current: float | None, n_samples: int):
+        """`commit` for the block that writes its record: undone if the block raises (a read-only or full run
+        directory), so the count stays where the files say."""
+        before = self.state_dict()
+        self.commit(kl_current, n_samples)
+        try:
+            yield
+        except BaseException:
+            self.load_state_dict(before)
+            raise
 
     def state_dict(self) -> dict:
         return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl.state_dict(),

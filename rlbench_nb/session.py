@@ -277,7 +277,7 @@ class Session:
         version = self.step_count + 1
         try:
             steps, moved, early = phase_calls.train(self.workers, batch, self.cfg.train, self.step_count,
-                                                    self.progress.kl.value, m, meanwhile=self.lease.renew_ahead)
+                                                    self.progress.kl.value, m)
             self.progress.trainer_steps.update(steps)
         except BaseException:
             self.state = "needs_resync"
@@ -299,8 +299,8 @@ class Session:
         with self.guard.recording(f"Step {self.step_count + 1}'s update was applied"):
             self.lease.renew()  # first: a session taken over mid-step writes nothing more
             # the KL the update's own forward measured, else prepare's
-            self.progress.commit(m.pop("kl_current", batch.info.get("kl_current")), len(batch))
-            self.rundir.write_state(self.controller_state())
+            with self.progress.committing(m.pop("kl_current", batch.info.get("kl_current")), len(batch)):
+                self.rundir.write_state(self.controller_state())
 
     def _commit_step(self, batch: Batch, m: dict) -> None:
         """The step's row, then its samples file (which costs only itself)."""

@@ -502,6 +502,31 @@ def test_every_way_back_on_a_read_only_run_directory_says_so_and_is_refused_unti
         assert sess.step_count == 2 and sess.groups["policy"].workers[0].adam_steps() == 2
 
 
+def test_a_step_on_a_read_only_run_directory_leaves_the_count_where_its_files_say(small_cfg, tmp_path):
+    """The step's update is applied, its record cannot be written (controller_state.json is its first write: the
+    lease is only read each step): the session says so and is `needs_resync`, its count and KL controller still
+    at the step the files hold; writable again, `resync()` and the steps go on from there."""
+    run = tmp_path / "run"
+    with rl.Session(small_cfg("run.tensorboard=false"), run_dir=run) as sess:
+        sess.step()
+        sess.save("one")
+        kl = sess.progress.kl.state_dict()
+        if subprocess.run(["mount", "--bind", str(run), str(run)], capture_output=True).returncode != 0:
+            pytest.skip("needs a read-only bind mount: mounting requires root")
+        try:
+            subprocess.run(["mount", "-o", "remount,ro,bind", str(run)], check=True)
+            with pytest.raises(rl.RLBenchError, match=r"Read-only file system.*Step 2's update was applied, but "
+                                                      r"the run directory does not record it"):
+                sess.step()
+            assert sess.state == "needs_resync" and sess.step_count == 1 and sess.progress.kl.state_dict() == kl
+        finally:
+            subprocess.run(["umount", "-l", str(run)], check=True)
+        assert json.loads((run / "controller_state.json").read_text())["step"] == 1
+        sess.resync()
+        sess.step()
+        assert sess.step_count == 2 and json.loads((run / "controller_state.json").read_text())["step"] == 2
+
+
 def test_a_snapshot_to_a_disk_that_fills_half_way_frees_what_its_first_role_wrote(small_cfg, tmp_path):
     """PPO (the policy and the critic each hold their part of a snapshot, one after the other) on a small file
     system with room for one part but not two: the snapshot fails naming the full disk, and the part the policy
