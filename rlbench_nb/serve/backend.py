@@ -229,12 +229,15 @@ class TinkerBackend:
         return {"metrics": {"grad_norm": out["grad_norm"], "learning_rate": adam["learning_rate"]}}
 
     def _record(self, m: dict) -> None:
-        """The optimizer step as one of the session's steps: the count moves, a metrics row, controller state."""
+        """The optimizer step as one of the session's steps, recorded as `Session.update` records its own: the lease
+        checked, the count moved with controller_state.json written (or neither), then the metrics row. A write that
+        fails leaves the session `needs_resync`, its count where the files say."""
         sess = self.sess
-        sess.lease.renew()  # first: a session taken over mid-step writes nothing more
-        step = sess.progress.commit(None, int(m["tinker/datums"]))
-        sess.metrics.record_step(step, m)
-        sess.rundir.write_state(sess.controller_state())
+        with sess.guard.recording(f"Step {sess.step_count + 1}'s optimizer step was applied"):
+            sess.lease.renew()  # first: a session taken over mid-step writes nothing more
+            with sess.progress.committing(None, int(m["tinker/datums"])):
+                sess.rundir.write_state(sess.controller_state())
+            sess.metrics.record_step(sess.step_count, m)
         sess.metrics.notify(m)
 
     def _phase(self, what: str, changes_state: bool = False):

@@ -99,6 +99,7 @@ def test_an_optimizer_step_is_a_session_step_the_dashboard_sees(served, trainer)
         trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert trainer.forward([datum], "cross_entropy").result().metrics["loss:sum"] < 0.8 * first
     assert sess.step_count == before + 4
+    assert json.loads((sess.run_dir / "controller_state.json").read_text())["step"] == sess.step_count  # attach's
     row = sess.history[-1]
     assert row["train/lr"] == 1e-2 and row["tinker/datums"] == 1 and row["actor/grad_norm"] > 0
     assert sess.cfg.train.lr != 1e-2   # the request's lr was for its step: the session's own stays
