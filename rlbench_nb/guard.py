@@ -15,7 +15,9 @@ abandoning the block; the caller then knows its state may be half-changed.
     # KeyboardInterrupt raised here if Ctrl-C came during the block (held.abandoned says whether twice)
 
 Only the main thread receives signals (Python's rule); elsewhere the block just runs. Blocks nest: an
-inner one inside an outer one holds nothing of its own (the outer one decides when to raise).
+inner one inside an outer one holds nothing of its own (the outer one decides when to raise). A process that
+started with SIGINT ignored (a script run as `cmd &` from a shell without job control, or under `nohup`-like
+launchers) keeps ignoring it inside blocks too: catching it only there would honour half the Ctrl-Cs.
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ _active: list[Held] = []  # the outermost block's record, while one is open (mai
 
 @contextmanager
 def deferred_interrupts(what: str = "the current phase"):
-    if threading.current_thread() is not threading.main_thread() or _active:
+    if (threading.current_thread() is not threading.main_thread() or _active
+            or signal.getsignal(signal.SIGINT) is signal.SIG_IGN):  # ignored (a job started with `&`): it stays so
         yield _active[0] if _active else Held()
         return
     held = Held()

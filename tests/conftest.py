@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# A suite started in the background of a shell without job control (`bash .ci/run &`) inherits SIGINT ignored, and
+# every process it starts would too (rlbench_nb then keeps ignoring it: guard.py); the tests that Ctrl-C a child need
+# the default. A handler here (not SIG_IGN) is reset to the default in each child at exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,6 +3,7 @@ signal to a real process), under both backends. After every interrupt the optimi
 session's, the history and metrics.jsonl agree, and the rollout engine holds the policy's weights; a
 checkpoint saved after the interrupts resumes exactly."""
 import json
+import os
 import random
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import time
 import pytest
 
 import rlbench_nb as rl
+from rlbench_nb.guard import deferred_interrupts
 
 from .conftest import REPO, SMALL
 
@@ -161,3 +163,25 @@ def test_trainers_past_the_last_committed_step_are_found_on_attach(small_cfg, tm
         sess.resync()
         assert sess.state == "ready" and sess.step_count == 1 and sess.groups["policy"].call("adam_steps") == [1]
         assert not sess.progress.trainers_ahead(sess.workers)
+
+
+def test_an_ignored_sigint_stays_ignored_inside_a_phase_and_a_handled_one_is_held():
+    """A process started with SIGINT ignored (`cmd &` without job control) ignores it inside deferred blocks too, and
+    leaves it ignored after: catching it only there would honour some Ctrl-Cs and drop the rest. With a handler,
+    the block holds it and raises once it is done."""
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with deferred_interrupts("the check") as held:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert held.count == 0 and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with pytest.raises(KeyboardInterrupt, match="the check completed first"):
+            with deferred_interrupts("the check") as held:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                assert held.count == 1
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
