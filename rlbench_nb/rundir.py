@@ -72,11 +72,11 @@ class RunDir:
 
     def read_state(self) -> dict:
         path = self.path / "controller_state.json"
-        for _ in range(2):  # a controller taken over this instant may be writing it: one write, read again
-            with contextlib.suppress(ValueError):
-                return json.loads(path.read_text())
+        try:
+            return json.loads(path.read_text())
+        except ValueError:  # half a file: a controller taken over this instant is writing it (one write)
             time.sleep(0.05)
-        return json.loads(path.read_text())
+            return json.loads(path.read_text())
 
     def write_summary(self, summary: dict) -> None:
         write_json(self.path / "summary.json", summary, indent=2)

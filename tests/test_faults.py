@@ -25,7 +25,8 @@ from .conftest import REPO, SMALL, assert_rollout_holds_policy_weights
 
 TRAIN = [*SMALL, "run.tensorboard=false", "run.save_rollouts_every=0", "run.checkpoint_every=5",
          "cluster.num_threads=1"]
-STEPS = 60  # killed once step 10 is saved: the 50 after it (~2.5 s here) leave room for this test to be scheduled
+STEPS = 60  # killed once step 10 is saved; the 50 after it (~2.5 s here) leave room for a CPU-starved test to act
+# (an 'exit 0 against 130' seen in sessions 37-38 was SIGINT ignored by a suite started with `&`: conftest.py)
 
 
 def _rows(run_dir: Path) -> list[dict]:
