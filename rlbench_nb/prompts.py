@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from array import array
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 
 import torch
@@ -125,11 +125,14 @@ class PromptCodec:
         names the draw to the rollout engine (what `rewind` checks)."""
         ids = [self._ids(r["prompt"]) for r in rows]
         width = max(map(len, ids))
-        # one row per prompt, then each repeated n times: a tensor from nested lists cost ~15 ms (512 x 140)
-        prompt_ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        for i, x in enumerate(ids):
-            if len(x):
-                prompt_ids[i, width - len(x):] = torch.frombuffer(x, dtype=torch.int32)
+        # one row per prompt, left-padded into one flat array, then each repeated n times: a tensor from nested
+        # lists cost ~15 ms (512 x 140), a tensor op per row ~10-20 µs each in a busy step
+        flat, pad = array("i"), array("i", [self.tokenizer.pad_token_id]) * width
+        for x in ids:
+            flat += pad[len(x):]
+            flat += x
+        prompt_ids = (torch.frombuffer(flat, dtype=torch.int32) if flat else torch.zeros(0, dtype=torch.int32)
+                      ).view(len(rows), width).long()
         lengths = torch.tensor([len(x) for x in ids])
         prompt_mask = (torch.arange(width) >= (width - lengths)[:, None]).long()
         meta = {"prompt": [r["prompt"] for r in rows for _ in range(n)],
@@ -149,8 +152,27 @@ class PromptCodec:
         kept, lengths = ids[mask.bool()].tolist(), mask.sum(-1)
         ends = lengths.cumsum(0).tolist()
         rows = [kept[end - n:end] for end, n in zip(ends, lengths.tolist())]
-        text = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
-        return batch.replace(response=text, response_len_B=lengths)
+        return batch.replace(response=batch_decode(self.tokenizer, rows), response_len_B=lengths)
+
+
+def batch_decode(tokenizer, rows: list[list[int]]) -> list[str]:
+    """`tokenizer.batch_decode(rows, skip_special_tokens=True)`. A fast tokenizer that cleans nothing up decodes
+    in one call to its Rust backend: transformers' own decode is that backend's call per row after a Python
+    walk over each row's ids (~5 µs a row; 64 rows ~0.3 ms of a busy tiny step)."""
+    if _decodes_as_its_backend(type(tokenizer)) and not tokenizer.clean_up_tokenization_spaces:
+        return tokenizer.backend_tokenizer.decode_batch(rows, skip_special_tokens=True)
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+@cache
+def _decodes_as_its_backend(cls: type) -> bool:
+    """The class decodes with transformers' fast-tokenizer `_decode` (the backend's `decode`, then the clean-up):
+    not a slow tokenizer, nor one that decodes its own way."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # an older transformers: its own batch_decode
+        return False
+    return getattr(cls, "_decode", None) is TokenizersBackend._decode
 
 
 def messages(prompt: str, system: str | None = None) -> list[dict]:

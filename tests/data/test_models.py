@@ -148,3 +148,29 @@ def test_decode_keeps_only_the_masked_response_tokens_and_drops_special_ones(tmp
     out = codec.decode(Batch({"response_ids_BR": response, "response_mask_BR": mask}))
     assert out["response"] == ["1+3", "calc 7", "", "9"]
     assert out["response_len_B"].tolist() == [4, 4, 1, 2]  # the kept tokens, EOS included
+
+
+def test_batch_decode_gives_transformers_own_text_and_skips_its_walk_only_where_that_is_the_same(tmp_path):
+    """prompts.batch_decode: a fast tokenizer that cleans nothing up goes straight to its backend; the text is
+    transformers' batch_decode for every row (special tokens, unknown words, empty rows). One that cleans up
+    spaces, or decodes its own way, goes through transformers."""
+    import random
+
+    from rlbench_nb import prompts
+    tok = make_tokenizer(tmp_path, words=("calc",))
+    rng = random.Random(0)
+    rows = [[rng.randrange(len(tok)) for _ in range(rng.randrange(12))] for _ in range(50)] + [[], [tok.eos_token_id]]
+    assert not tok.clean_up_tokenization_spaces and prompts._decodes_as_its_backend(type(tok))
+    backend_calls = []
+    real = tok.backend_tokenizer.decode_batch
+    tok.backend_tokenizer.decode_batch = lambda *a, **k: backend_calls.append(1) or real(*a, **k)
+    assert prompts.batch_decode(tok, rows) == tok.batch_decode(rows, skip_special_tokens=True)
+    assert backend_calls == [1]
+    tok.clean_up_tokenization_spaces = True  # transformers decides what that means for this tokenizer
+    assert prompts.batch_decode(tok, rows) == tok.batch_decode(rows, skip_special_tokens=True)
+    assert backend_calls == [1]
+
+    class OwnDecode(type(tok)):
+        def _decode(self, token_ids, **kwargs):
+            return "x" * len(token_ids)
+    assert not prompts._decodes_as_its_backend(OwnDecode)
