@@ -141,3 +141,24 @@ def test_a_server_removes_the_socket_directories_of_processes_that_are_gone(tmp_
     finally:
         server.close()
     assert not os.path.exists(server.dir)
+
+
+def test_a_directory_gone_between_the_listing_and_its_check_does_not_stop_a_server(tmp_path, monkeypatch):
+    """Actors start side by side and each sweeps: one listed a dead process's directory that another removed (or a
+    server closing removed its own) before the check. Found as a rollout actor dying in __init__ with
+    FileNotFoundError while benchmarks/controller_overhead.py started its next session."""
+    import glob
+    import subprocess
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = tmp_path / f"rlbench-nb-calls-{dead.pid}-abc"
+    left.mkdir()
+    listed = glob.glob(str(tmp_path / "rlbench-nb-calls-*-*")) + [str(tmp_path / f"rlbench-nb-calls-{dead.pid}-gone")]
+    monkeypatch.setattr(glob, "glob", lambda pattern: listed)  # the listing still names a directory now removed
+    server = ChannelServer(lambda request: request)
+    try:
+        assert not left.exists()  # the sweep went on past the vanished one
+    finally:
+        server.close()

@@ -68,3 +68,21 @@ def test_files_of_killed_producers_are_removed():
     SharedMemoryWriter("test3")  # a new producer sweeps the files of dead ones, not of live ones
     assert not os.path.exists(stale) and os.path.exists(live)
     mine.close()
+
+
+def test_a_push_reuses_the_last_views_only_while_names_dtypes_and_shapes_are_the_same():
+    """Both ends keep the views of the file's layout (the producer rewrites the same file in place): a push of the
+    same layout lands in the views the consumer already holds; the same bytes under other names, shapes or dtypes
+    (one file: the size is unchanged) get views of their own."""
+    writer = SharedMemoryWriter("test4")
+    try:
+        first = writer.write({"a": torch.randn(3, 4)}).unpack()
+        w = {"a": torch.randn(3, 4)}
+        again = writer.write(w).unpack()
+        assert again["a"].data_ptr() == first["a"].data_ptr() and torch.equal(again["a"], w["a"])
+        for other in ({"a": torch.randn(4, 3)}, {"b": torch.randn(4, 3)}, {"b": torch.randn(4, 3).to(torch.int32)}):
+            blob = writer.write(other)
+            assert blob.path == writer.path  # 48 bytes each time: the same file
+            _same(blob.unpack(), other)
+    finally:
+        writer.close()
