@@ -103,6 +103,24 @@ def test_the_gguf_file_itself_loads_as_its_converted_folder(real_assets, monkeyp
         assert "Paris" in tok.decode(ours.generate(ids, max_new_tokens=3, do_sample=False)[0, ids.shape[1]:])
 
 
+def test_the_real_tokenizer_decodes_a_steps_rows_in_one_backend_call_with_transformers_own_text(real_assets):
+    """prompts.batch_decode takes its one-call path on SmolLM2's byte-level BPE tokenizer (what a real run decodes
+    with) and gives exactly transformers' batch_decode: random ids (partial UTF-8 sequences, special tokens),
+    GSM8K answers, empty rows."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from rlbench_nb import prompts
+    tok = AutoTokenizer.from_pretrained(real_assets.model)
+    assert prompts._decodes_as_its_backend(type(tok)) and not tok.clean_up_tokenization_spaces
+    rng = random.Random(0)
+    rows = [[rng.randrange(len(tok)) for _ in range(rng.randrange(40))] for _ in range(200)] + [[]]
+    answers = [json.loads(line)["answer"] for line in (real_assets.gsm8k / "test.jsonl").read_text().splitlines()[:50]]
+    rows += [tok(a)["input_ids"] + [tok.eos_token_id] for a in answers]
+    assert prompts.batch_decode(tok, rows) == tok.batch_decode(rows, skip_special_tokens=True)
+
+
 @pytest.mark.slow
 def test_greedy_evaluation_gives_plain_generates_answers(real_session, real_assets):
     """sess.evaluate() on 16 GSM8K test questions: the same response text per question as transformers'
