@@ -37,10 +37,13 @@ def _remove_dead_servers_dirs() -> None:
     """The socket directories of servers whose process is gone (an actor killed never closes its server)."""
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{_DIR_PREFIX}*-*")):
         pid = os.path.basename(path)[len(_DIR_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
         try:
-            if not pid.isdigit() or os.stat(path).st_uid != os.getuid():
-                continue
+            owner = os.stat(path).st_uid
         except FileNotFoundError:  # gone since the listing: a server closed, or another actor starting swept it
+            continue
+        if owner != os.getuid():
             continue
         try:
             os.kill(int(pid), 0)

@@ -55,14 +55,17 @@ class SharedMemoryWriter:
         self.tag = tag
         self.path: str | None = None
         self.map: np.memmap | None = None
-        self._layout: tuple[list, list, list[torch.Tensor]] = ([], [], [])  # (names, dtypes, shapes), index, views
+        # the file's layout, kept while pushes bring the same (name, dtype, shape)s: its index and a view per tensor
+        self._kinds: list[tuple] = []
+        self._index: list = []
+        self._views: list[torch.Tensor] = []
         _remove_stale_files()
 
     def write(self, tensors: dict[str, torch.Tensor]) -> SharedTensors | None:
         """The tensors in shared memory, or None when /dev/shm cannot hold them (the caller falls back
         to the object store: writing past a full tmpfs would kill the process with SIGBUS)."""
         kinds = [(name, t.dtype, t.shape) for name, t in tensors.items()]
-        if kinds != self._layout[0]:
+        if kinds != self._kinds:
             index, size = layout(tensors)
             if self.map is None or self.map.shape[0] != size:
                 self.close()
@@ -71,19 +74,19 @@ class SharedMemoryWriter:
                     return None
                 self.path = os.path.join(_SHM_DIR, f"{_PREFIX}-{os.getpid()}-{self.tag}-{size}.bin")
                 self.map = np.memmap(self.path, dtype=np.uint8, mode="w+", shape=(max(size, 1),))
-            self._layout = (kinds, index, list(views(self.map, index).values()))
+            self._kinds, self._index, self._views = kinds, index, list(views(self.map, index).values())
         with torch.no_grad():  # one call for every tensor: a copy per tensor is ~5 tensor ops of Python each
-            torch._foreach_copy_(self._layout[2], list(tensors.values()))
-        return SharedTensors(self.path, self._layout[1])
+            torch._foreach_copy_(self._views, list(tensors.values()))
+        return SharedTensors(self.path, self._index)
 
     def close(self) -> None:
-        self.map = None
-        self._layout = ([], [], [])
+        self.map, self._kinds, self._index, self._views = None, [], [], []
         if self.path:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        self.path = None
 
 
 def _remove_stale_files() -> None:

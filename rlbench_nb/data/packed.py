@@ -4,8 +4,9 @@
     tensors = packed.unpack()      # views of the buffer, any dtype (bfloat16 included), original shapes
 
 One numpy buffer plus an index of (name, dtype, shape, offset, nbytes): Ray ships the buffer out of band
-(no per-tensor pickling) and maps it read-only from its object store. A `Batch` travels this way, and so
-do the policy's weights (`cluster/transport.py` adds a shared-memory variant of the same layout).
+(no per-tensor pickling) and maps it read-only from its object store. The policy's weights travel this way
+(`cluster/transport.py` adds a shared-memory variant of the same layout); a `Batch` goes as numpy arrays, one
+per tensor (data/batch.py).
 """
 from __future__ import annotations
 
@@ -52,9 +53,6 @@ class PackedTensors:
         write_into(tensors, index, buffer)
         return cls(buffer, index)
 
-    def unpack(self, writable: bool = False) -> dict[str, torch.Tensor]:
-        """Views of the buffer; `writable`: of a private copy when the buffer is read-only (mapped from
-        Ray's object store), for tensors that will be written to."""
-        if writable and not self.buffer.flags.writeable:
-            self.buffer = self.buffer.copy()
+    def unpack(self) -> dict[str, torch.Tensor]:
+        """Views of the buffer (read-only where it is mapped from Ray's object store: copy before writing)."""
         return views(self.buffer, self.index)

@@ -47,7 +47,7 @@ def test_shared_memory_is_rewritten_in_place_and_removed_on_close():
     bigger = writer.write({"x": torch.zeros(1000)})
     assert bigger.path != path and not os.path.exists(path)  # new size: new file, old one gone
     writer.close()
-    assert not os.path.exists(bigger.path)
+    assert not os.path.exists(bigger.path) and writer.path is None
 
 
 def test_no_room_in_shared_memory_falls_back_to_the_bytes(monkeypatch):
