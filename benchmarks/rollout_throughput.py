@@ -10,9 +10,12 @@ needs no training; over the 18-token vocabulary EOS comes at random, so response
 prompts and sampling (4 questions x 4 answers, system prompt with a worked example, temperature 0.7, up to 96
 new tokens, fp32): answers mostly run to the cap, so dropping finished rows saves little there.
 `hf` is our engine with the defaults (rollout.dtype=auto: bf16 on a CPU with native bf16 for models of 2M+
-parameters, ops/precision.py), `hf-fp32` the same engine in the model's fp32, `plain-bf16` the peer with its model
-in bf16; the `dtype` column says which ran. `vs plain` is against `plain` (fp32, as from_pretrained loads it).
-Per engine: completion tokens/s (median of --repeats after a warm-up call), and for the HF paths where
+parameters, ops/precision.py), `hf-fp32` the same engine in the model's fp32, `hf-forward` the engine with each
+decode step through the model's own forward instead of roles/rollout/decode_step.py's (what that step saves, in
+the same run), `plain-bf16` the peer with its model in bf16; the `dtype` column says which ran. `vs plain` is
+against `plain` (fp32, as from_pretrained loads it).
+Per engine: completion tokens/s (median of --repeats after a warm-up call; the engines take turns, a call each
+per round, so a shared host's drift moves them alike), and for the HF paths where
 the time goes: prefill (a 1-token generate) vs decode, and padding waste (left-padding of prompts, and
 slots decoded after a row's EOS while others go on: `generate` pays them, our engines do not). The floor
 beside them, measured in the same process: this machine's memory bandwidth (GB/s reading a 1 GiB tensor), and
@@ -101,7 +104,9 @@ def memory_bandwidth(gib: float = 1.0) -> float:
     return x.numel() * 4 / best
 
 
-def measure(cfg, tok, batch, engine: str, repeats: int) -> dict:
+def load(cfg, tok, batch, engine: str) -> tuple[dict, dict, object]:
+    """An engine ready to time: (its row so far, its calls by name — `generate`, the whole call, and for the HF
+    paths `prefill`, a 1-token call — each returning the response mask, the engine to close)."""
     import rlbench_nb as rl
     p = cfg.rollout
     row = {"engine": engine, "dtype": cfg.model.dtype, "completions": len(batch), "max_new_tokens": p.max_new_tokens}
@@ -117,50 +122,71 @@ def measure(cfg, tok, batch, engine: str, repeats: int) -> dict:
         sampling = dict(do_sample=True, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p) \
             if p.temperature else dict(do_sample=False)
 
-        def run():
+        def generate():
             with torch.no_grad():
-                return model.generate(input_ids=batch["prompt_ids_BP"], attention_mask=batch["prompt_mask_BP"],
-                                      max_new_tokens=p.max_new_tokens, eos_token_id=tok.eos_token_id,
-                                      pad_token_id=tok.pad_token_id, **sampling)
-        seconds, out = timed(run, repeats)
-        resp = out[:, batch["prompt_ids_BP"].shape[1]:]
-        is_eos = resp == tok.eos_token_id
-        mask = ((is_eos.long().cumsum(-1) - is_eos.long()) == 0).long()
-    else:
-        cls = rl.roles.rollout_worker_class(engine.removesuffix("-fp32"))
-        if engine.endswith("-fp32"):
-            cfg = cfg.model_copy(update={"rollout": p.model_copy(update={"dtype": "model"})})
-        t = time.perf_counter()
-        worker = cls(cfg, str(cfg.model.path), tok.eos_token_id, tok.pad_token_id)
-        row["engine_start_s"] = time.perf_counter() - t
-        row["dtype"] = worker.dtype
-        seconds, out = timed(lambda: worker.generate(batch), repeats)
-        mask = out["response_mask_BR"]
-        if engine.startswith("hf"):
-            one = p.model_copy(update={"max_new_tokens": 1})
-            row["prefill_s"], _ = timed(lambda: worker.generate(batch, one), repeats)
-            row["decode_steps"] = mask.shape[1] - 1
-            row["weight_bytes"] = sum(t.numel() * t.element_size() for t in worker.model.parameters())
-            row["params"] = sum(t.numel() for t in worker.model.parameters())
+                out = model.generate(input_ids=batch["prompt_ids_BP"], attention_mask=batch["prompt_mask_BP"],
+                                     max_new_tokens=p.max_new_tokens, eos_token_id=tok.eos_token_id,
+                                     pad_token_id=tok.pad_token_id, **sampling)
+            is_eos = out[:, batch["prompt_ids_BP"].shape[1]:] == tok.eos_token_id
+            return ((is_eos.long().cumsum(-1) - is_eos.long()) == 0).long()
+        return row, {"generate": generate}, None
+    cls = rl.roles.rollout_worker_class(engine.removesuffix("-fp32").removesuffix("-forward"))
+    if engine.endswith("-fp32"):
+        cfg = cfg.model_copy(update={"rollout": p.model_copy(update={"dtype": "model"})})
+    t = time.perf_counter()
+    worker = cls(cfg, str(cfg.model.path), tok.eos_token_id, tok.pad_token_id)
+    row["engine_start_s"] = time.perf_counter() - t
+    if engine.endswith("-forward"):
+        worker.decode_step = None  # each decode step through model(...)
+    row["dtype"] = worker.dtype
+    calls = {"generate": lambda: worker.generate(batch)["response_mask_BR"]}
+    if engine.startswith("hf"):
+        one = p.model_copy(update={"max_new_tokens": 1})
+        calls["prefill"] = lambda: worker.generate(batch, one)["response_mask_BR"]
+        row["weight_bytes"] = sum(t.numel() * t.element_size() for t in worker.model.parameters())
+        row["params"] = sum(t.numel() for t in worker.model.parameters())
+    return row, calls, worker
+
+
+def measure(cfg, tok, batch, engines: list[str], repeats: int) -> list[dict]:
+    """Each engine's rows, its calls timed in turns — one call of each engine, then the next round — so that a
+    machine whose speed drifts over minutes (a shared host) moves every engine alike, not the one that ran then."""
+    loaded = [load(cfg, tok, batch, engine) for engine in engines]
+    times: dict = {}
+    for rnd in range(repeats + 1):  # round 0 warms each up
+        for row, calls, _ in loaded:
+            for name, call in calls.items():
+                torch.manual_seed(rnd)  # the same draws each round: hf and hf-forward sample the same tokens
+                t = time.perf_counter()
+                mask = call()
+                if rnd:
+                    times.setdefault((row["engine"], name), []).append(time.perf_counter() - t)
+                if name == "generate":
+                    row["mask"] = mask
+    rows = []
+    for row, _, worker in loaded:
         if hasattr(worker, "close"):
             worker.close()
-    tokens = int(mask.sum())
-    # slots decoded after a row's EOS: `generate` decodes the whole padded batch until the longest row
-    # ends; our HF engine and vLLM stop computing a sequence at its EOS
-    row.update(seconds=seconds, tokens=tokens, tok_s=tokens / seconds,
-               generated_slot_waste=1 - tokens / mask.numel() if engine.startswith("plain") else 0.0,
-               prompt_pad_waste=1 - batch["prompt_mask_BP"].float().mean().item())
-    if "prefill_s" in row:
-        row["decode_share"] = 1 - row["prefill_s"] / seconds
-        # each decode step reads every weight once (the batch's rows share it): bytes over the decode's seconds
-        row["decode_gb_s"] = row["weight_bytes"] * row["decode_steps"] / (seconds - row["prefill_s"]) / 1e9
-    return row
+        mask, engine = row.pop("mask"), row["engine"]
+        seconds, tokens = statistics.median(times[engine, "generate"]), int(mask.sum())
+        # slots decoded after a row's EOS: `generate` decodes the whole padded batch until the longest row
+        # ends; our HF engine and vLLM stop computing a sequence at its EOS
+        row.update(seconds=seconds, tokens=tokens, tok_s=tokens / seconds,
+                   generated_slot_waste=1 - tokens / mask.numel() if engine.startswith("plain") else 0.0,
+                   prompt_pad_waste=1 - batch["prompt_mask_BP"].float().mean().item())
+        if (engine, "prefill") in times:
+            row["prefill_s"] = statistics.median(times[engine, "prefill"])
+            row["decode_share"] = 1 - row["prefill_s"] / seconds
+            # each decode step reads every weight once (the batch's rows share it): bytes over the decode's seconds
+            row["decode_gb_s"] = row["weight_bytes"] * (mask.shape[1] - 1) / (seconds - row["prefill_s"]) / 1e9
+        rows.append(row)
+    return rows
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    engines = ["plain", "plain-bf16", "hf", "hf-fp32", "vllm"]
+    engines = ["plain", "plain-bf16", "hf", "hf-fp32", "hf-forward", "vllm"]
     ap.add_argument("--engines", nargs="+", default=engines, choices=engines)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -176,10 +202,11 @@ def main():
     rows = []
     for size in args.sizes:
         cfg, tok, batch = workload(size, root)
-        params = None
-        for engine in args.engines:
-            r = measure(cfg, tok, batch, engine, args.repeats)
-            params = r.pop("params", params)  # counted on a model the measurement loaded (vLLM's is not at hand)
+        measured = measure(cfg, tok, batch, args.engines, args.repeats)
+        # counted on a model the measurement loaded (vLLM's is not at hand)
+        params = next((r["params"] for r in measured if "params" in r), None)
+        for r in measured:
+            r.pop("params", None)
             r.update(size=size, params_m=params / 1e6 if params else float("nan"))
             rows.append(r)
     plain = {r["size"]: r["tok_s"] for r in rows if r["engine"] == "plain"}

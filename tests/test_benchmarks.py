@@ -24,7 +24,8 @@ from .conftest import REPO
                  marks=pytest.mark.slow),
     pytest.param("benchmarks/startup.py", ["--reps", "1"], marks=pytest.mark.slow),  # ~1 min: Ray starts twice
     ("benchmarks/logprob_memory.py", ["--tokens", "64", "--vocab", "1000", "--hidden", "32"]),
-    ("benchmarks/rollout_throughput.py", ["--sizes", "tiny", "--engines", "plain", "hf", "--repeats", "1"]),
+    ("benchmarks/rollout_throughput.py",
+     ["--sizes", "tiny", "--engines", "plain", "hf", "hf-forward", "--repeats", "1"]),
     ("benchmarks/gpu_smoke.py", ["--tiny", "--steps", "1"]),
     ("benchmarks/soak.py", ["--steps", "3", "--every", "1"]),
     ("benchmarks/reward_isolation.py", ["--batches", "4", "--reps", "1"]),

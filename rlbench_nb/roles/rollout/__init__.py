@@ -2,7 +2,8 @@
 sampled tokens' log-probs, `set_weights(state, version)`, `sleep()`/`wake_up()` (colocated mode),
 `get_state()`/`set_state()` (exact resume), `memory()`, `close()`.
 
-    hf_engine.py    transformers generate with KV cache (the CPU default; no extra install)
+    hf_engine.py    transformers generate with KV cache (the CPU default; no extra install); on a CPU its decode
+                    steps of Llama-style models are decode_step.py's, its linears skinny_linear.py's
     vllm_engine.py  one vllm.LLM per rollout worker (`rollout.engine: vllm`; `pip install rlbench-nb[vllm]`)
 """
 from .hf_engine import HFRolloutWorker

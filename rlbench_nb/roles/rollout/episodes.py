@@ -23,18 +23,18 @@ import torch
 from ...config import RolloutConfig
 from ...data.batch import Batch
 from ...envs import Env, run_steps
+from .kv_cache import reserved_cache
 
 
 @torch.no_grad()
 def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: RolloutConfig, sample,
                  pool: concurrent.futures.Executor, step_timeout_s: float, gen: torch.Generator | None = None, *,
-                 prompt_ids=None, eos: int | None = None, pad: int | None = None) -> Batch:
+                 prompt_ids=None, eos: int | None = None, pad: int | None = None, decode_step=None) -> Batch:
     """One episode per (env, row): `env.reset(row)` is the prompt (`prompt_ids(text)` encodes it: the session's
     own encoding, chat template included; default: the plain tokens); then model and environment take turns
     until the environment says done, `env.max_turns` model turns were taken, or `p.max_new_tokens` tokens (the
     model's and the environment's together) are spent. `sample(logits, p, gen) -> (tokens, logprobs)` is the
-    engine's sampler."""
-    from transformers import DynamicCache
+    engine's sampler; `decode_step` the engine's written-out step (decode_step.py; None: model(...))."""
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id if eos is None else eos
     pad = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos) if pad is None else pad
@@ -47,7 +47,7 @@ def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: Rollout
     state = _Episodes.start(B, R, pad, prompt_mask=attn.cpu())
     rows_left = list(range(B))                       # batch row of each sequence still running
     next_pos = attn.sum(-1, keepdim=True)
-    cache = DynamicCache(config=model.config)
+    cache = reserved_cache(model.config, width + R)
     logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     steps = R
@@ -74,8 +74,11 @@ def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: Rollout
             tok, next_pos, attn = tok[keep], next_pos[index], attn[index]
             cache.batch_select_indices(index)
         attn = torch.cat([attn, attn.new_ones((len(rows_left), 1))], dim=1)
-        logits = model(input_ids=tok[:, None].to(device), attention_mask=attn, position_ids=next_pos,
-                       past_key_values=cache, use_cache=True).logits[:, -1]
+        if decode_step is not None:
+            logits = decode_step(tok.to(device), next_pos, attn, cache)
+        else:
+            logits = model(input_ids=tok[:, None].to(device), attention_mask=attn, position_ids=next_pos,
+                           past_key_values=cache, use_cache=True).logits[:, -1]
         next_pos = next_pos + 1
     return state.batch(steps, ids.cpu(), envs)
 

@@ -14,6 +14,7 @@ from ...determinism import sampling_generator
 from ...ops.precision import rollout_dtype
 from ..common import DTYPES, load_causal_lm, load_weights, pick_device
 from .base import RolloutWorker
+from .decode_step import DecodeStep
 from .kv_cache import reserved_cache
 from .sampling import sample_next
 from .skinny_linear import use_skinny_linears
@@ -30,8 +31,12 @@ class HFRolloutWorker(RolloutWorker):
         self.model.to(DTYPES[self.dtype])
         self.model.requires_grad_(False)
         self.model.eval()
+        # on a CPU: the linears' decode-sized form, and a decode step without transformers' per-call machinery
+        # (Llama-style models; None: the model's own forward)
+        self.decode_step = None
         if self.device.type == "cpu":
             use_skinny_linears(self.model)
+            self.decode_step = DecodeStep.for_model(self.model)
         self.eos, self.pad = eos_token_id, pad_token_id
         self.weight_version = 0
 
@@ -90,8 +95,11 @@ class HFRolloutWorker(RolloutWorker):
                 rows, tok, next_pos, attn = rows[keep], tok[keep], next_pos[keep], attn[keep]
                 cache.batch_select_indices(keep)
             attn = torch.cat([attn, attn.new_ones((len(rows), 1))], dim=1)
-            logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
-                                past_key_values=cache, use_cache=True).logits[:, -1]
+            if self.decode_step is not None:
+                logits = self.decode_step(tok, next_pos, attn, cache)
+            else:
+                logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
+                                    past_key_values=cache, use_cache=True).logits[:, -1]
             next_pos = next_pos + 1
         resp_mask = (torch.arange(steps, device=self.device)[None, :] < lengths[:, None]).long()
         return Batch({"response_ids_BR": tokens[:, :steps].cpu(), "response_mask_BR": resp_mask.cpu(),
@@ -111,7 +119,7 @@ class HFRolloutWorker(RolloutWorker):
             end = start + p.micro_batch_size
             parts.append(run_episodes(self.model, tokenizer, envs[start:end], rows[start:end], p, sample_next,
                                       self._env_pool, self.cfg.env.step_timeout_s, prompt_ids=prompt_ids,
-                                      eos=self.eos, pad=self.pad))
+                                      eos=self.eos, pad=self.pad, decode_step=self.decode_step))
         return cat_episodes(parts, self.pad)
 
     def set_weights(self, state: dict[str, torch.Tensor], version: int) -> dict:

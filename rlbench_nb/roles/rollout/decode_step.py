@@ -1,0 +1,129 @@
+"""One decode step of a Llama-style model, written out: the HF engine's decode loop without transformers'
+per-call machinery.
+
+    step = DecodeStep.for_model(model)        # None: not a model this covers (the engine calls the model)
+    logits = step(tokens, positions, attention_mask, cache)   # [rows] -> [rows, vocab], as model(...) gives
+
+A decode step multiplies a few rows by every weight of the model; on a CPU the matmuls are all the work there is
+to do, and the rest is overhead. Through `model(...)` a step of SmolLM2-135M at 16 rows spent ~40% outside the
+matmuls on a 2-core EPYC (AVX2): per call a mask built from the 2-D attention mask, per layer module calls,
+keyword plumbing, the attention interface's dispatch, a rotary and a norm of a few small ops each. Here the same
+ops run in the same order on the same modules' weights — the logits are those of `model(...)` to the last bit on
+the models of tests/roles/test_decode_step.py — with one additive mask and one rotary per step for all layers.
+
+Covered: Llama, Mistral without a sliding window, Qwen2 without sliding layers (the same decoder layer: RMSNorm,
+rotary, grouped-query attention, a gated MLP; biases as the modules hold them), with the attention the engine's
+model gets on a CPU (ops/attention.py; in fp32 also SDPA or eager). Anything else — another architecture, a
+sliding window, a bf16 model on SDPA, a cache layer that is not `ReservedLayer` — keeps the model's forward.
+`for_model` also runs one step both ways on a tiny input and keeps the model's forward if they differ: a config
+option this does not know of must cost speed, never the sampled distribution.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...ops.attention import NAME as CPU_ATTENTION
+from .kv_cache import ReservedLayer, reserved_cache
+
+COVERED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# one step against model(...) on a tiny input, as a share of the logits' scale (1 + max |logit|): the same ops on
+# the same numbers agree to the last bits a matmul's blocking moves; a wrong rotary, bias or mask moves them by >1%
+AGREE_FP32, AGREE_LOW = 1e-4, 2e-2
+
+
+class DecodeStep:
+    def __init__(self, model: torch.nn.Module):
+        inner = model.model
+        self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
+        self.lm_head = model.lm_head
+        self.layers = list(inner.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.kv_heads = model.config.num_key_value_heads
+        self.groups = model.config.num_attention_heads // self.kv_heads
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> DecodeStep | None:
+        """The written-out step for `model`, or None where it is not covered or does not agree with the model."""
+        c = model.config
+        if type(model).__name__ not in COVERED or getattr(c, "sliding_window", None) is not None \
+                or any(t != "full_attention" for t in getattr(c, "layer_types", None) or ()):
+            return None
+        # the attention here is ops/attention.py's plain path (what the engine's model runs on a CPU by default):
+        # in fp32 SDPA's and eager's differ from it in last bits only, in bf16 they round scores and probabilities
+        # to bf16 where it keeps fp32
+        low = next(model.parameters()).dtype != torch.float32
+        if c._attn_implementation not in ((CPU_ATTENTION,) if low else (CPU_ATTENTION, "sdpa", "eager")):
+            return None
+        step = cls(model)
+        return step if step.agrees_with(model) else None
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor,
+                 cache) -> torch.Tensor:
+        """Logits [rows, vocab] of the next token after `tokens` [rows] at `positions` [rows, 1], each row seeing
+        its keys where `attention_mask` [rows, keys so far + 1] is 1; the step's keys and values go into `cache`
+        (a `reserved_cache`, as `model(..., past_key_values=cache)` would write them)."""
+        rows = tokens.shape[0]
+        x = self.embed(tokens)  # through the module: its hooks see the step as they see model(...)'s
+        cos, sin = self.rotary(x, positions)  # [rows, 1, head dim]: the model's own (its scaling, dynamic or not)
+        # the padding mask as the attention adds it, made once for every layer: [rows, 1, 1, keys]
+        add_mask = torch.zeros(attention_mask.shape, dtype=torch.float32, device=x.device).masked_fill_(
+            attention_mask == 0, torch.finfo(torch.float32).min)[:, None, None, :]
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            h = _rms_norm(layer.input_layernorm, x)
+            q = _rotate(a.q_proj.forward(h).view(rows, -1, self.head_dim), cos, sin)
+            k = _rotate(a.k_proj.forward(h).view(rows, self.kv_heads, 1, self.head_dim), cos[:, None], sin[:, None])
+            v = a.v_proj.forward(h).view(rows, self.kv_heads, 1, self.head_dim)
+            keys, values = cache.layers[i].update(k, v)
+            x = x + a.o_proj.forward(self._attend(q, keys, values, add_mask))
+            h = _rms_norm(layer.post_attention_layernorm, x)
+            mlp = layer.mlp
+            x = x + mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(h)) * mlp.up_proj.forward(h))
+        return self.lm_head.forward(_rms_norm(self.norm, x))
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, add_mask: torch.Tensor
+                ) -> torch.Tensor:
+        """One query per row against its cache, grouped-query without repeating the cache (ops/attention.py's
+        plain path: the G query heads of a KV head are G query rows of it; fp32 scores and softmax for bf16)."""
+        rows, dtype = q.shape[0], q.dtype
+        if dtype != torch.float32:
+            q, keys, values = q.float(), keys.float(), values.float()
+        scores = torch.matmul(q.view(rows, self.kv_heads, self.groups, self.head_dim), keys.transpose(2, 3))
+        probs = torch.softmax(scores.mul_(self.scaling).add_(add_mask), dim=-1)
+        return torch.matmul(probs, values).view(rows, -1).to(dtype)
+
+    def agrees_with(self, model: torch.nn.Module) -> bool:
+        """One step on a tiny left-padded batch, this way and model(...)'s, from the same prefill."""
+        param = next(model.parameters())
+        ids = torch.tensor([[0, 1, 2], [3, 4, 5]], device=param.device) % model.config.vocab_size
+        mask = torch.tensor([[0, 1, 1], [1, 1, 1]], device=param.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = []
+        with torch.no_grad():
+            for decode in (self, None):
+                cache = reserved_cache(model.config, 4)
+                logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                               use_cache=True, logits_to_keep=1).logits[:, -1]
+                if not all(isinstance(layer, ReservedLayer) for layer in cache.layers):
+                    return False
+                token, step_mask = logits.argmax(-1), torch.cat([mask, mask.new_ones(2, 1)], dim=1)
+                next_pos = mask.sum(-1, keepdim=True)
+                out.append((decode(token, next_pos, step_mask, cache) if decode is not None else
+                            model(input_ids=token[:, None], attention_mask=step_mask, position_ids=next_pos,
+                                  past_key_values=cache, use_cache=True).logits[:, -1]).float())
+        tol = AGREE_FP32 if param.dtype == torch.float32 else AGREE_LOW
+        return bool((out[0] - out[1]).abs().max() <= tol * (1 + out[1].abs().max()))
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """LlamaRMSNorm's forward (Qwen2's and Mistral's are the same): in fp32, the weight applied in x's dtype."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one tensor: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

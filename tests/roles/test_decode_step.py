@@ -1,0 +1,126 @@
+"""The HF engine's written-out decode step (roles/rollout/decode_step.py) against the model's own forward: the
+same logits at every step of the engine's walk (left-padded prefill, the n samples' rows repeated, finished rows
+dropped, the cache grown past its room) on each covered architecture and option that changes the math (grouped
+or not, biases, a head size of its own, a scaled rotary), in fp32 and bf16; and the model's forward kept where
+the step is not covered or does not agree.
+
+Tolerance: the two run the same ops on the same numbers, and here agree to the last bit in fp32 and bf16; but
+the model's linears see [rows, 1, features] and the step's [rows, features], and another CPU's BLAS may block
+the two differently (the last bits of sums move with the order of addition). 1e-5 absolute on logits of order
+5 holds that in fp32 and fails a wrong rotary, bias, mask or cache position, each of which moves a logit by 0.1
+or more; in bf16 a last bit can round a hidden value one bf16 step (2^-8) the other way: 5e-2."""
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from rlbench_nb.ops import attention
+from rlbench_nb.roles.rollout.decode_step import DecodeStep
+from rlbench_nb.roles.rollout.kv_cache import reserved_cache
+from rlbench_nb.roles.rollout.skinny_linear import use_skinny_linears
+
+SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2)  # logits of order 1
+MODELS = {
+    "llama-gqa": lambda: LlamaForCausalLM(LlamaConfig(**SHAPE)),
+    "llama-mha-biases-head48": lambda: LlamaForCausalLM(LlamaConfig(**{
+        **SHAPE, "num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True, "head_dim": 48})),
+    "llama3-rope": lambda: LlamaForCausalLM(LlamaConfig(**SHAPE, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SHAPE)),
+    "mistral-no-window": lambda: MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=None)),
+}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
+
+
+def _model(kind: str, dtype=torch.float32, skinny: bool = True):
+    """A random-init model as the engine holds one on a CPU: ops/attention.py's attention, skinny linears."""
+    torch.manual_seed(0)
+    model = MODELS[kind]().eval().to(dtype)
+    attention.register()
+    model.set_attn_implementation(attention.NAME)
+    with torch.no_grad():  # biases are zeros at init: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    if skinny:
+        use_skinny_linears(model)
+    return model.requires_grad_(False)
+
+
+def _walk(model, step, prompts, mask, tokens, drop_at: int, keep: torch.Tensor, capacity: int):
+    """The engine's decode walk (hf_engine.py) feeding `tokens` [steps, rows] (the same to both ways: a sampled
+    token that one bf16 last bit flipped would make the rest of two walks incomparable), each decode step by
+    `step` or, for None, by model(...): the logits of every step."""
+    cache = reserved_cache(model.config, capacity)
+    with torch.no_grad():
+        logits = model(input_ids=prompts, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        repeat = torch.arange(prompts.shape[0]).repeat_interleave(2)
+        logits, mask = logits[repeat], mask[repeat]
+        cache.batch_select_indices(repeat)
+        out = []
+        rows = torch.arange(len(repeat))
+        for t in range(len(tokens)):
+            out.append(logits.float())
+            if t == drop_at:
+                logits, mask, rows = logits[keep], mask[keep], rows[keep]
+                cache.batch_select_indices(keep)
+            token = tokens[t, rows]
+            positions = mask.sum(-1, keepdim=True)
+            mask = torch.cat([mask, mask.new_ones(len(token), 1)], dim=1)
+            logits = step(token, positions, mask, cache) if step is not None else model(
+                input_ids=token[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache,
+                use_cache=True).logits[:, -1]
+    return out + [logits.float()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_the_step_gives_the_models_logits_through_the_engines_walk(kind, dtype):
+    model = _model(kind, dtype)
+    step = DecodeStep.for_model(model)
+    assert step is not None, kind
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, 96, (3, 6), generator=g)
+    mask = torch.ones_like(prompts)
+    mask[0, :2] = 0  # left padding, as the engine's batches
+    mask[2, :4] = 0
+    keep = torch.tensor([0, 2, 3, 5])
+    tokens = torch.randint(1, 96, (12, 6), generator=g)
+    theirs = _walk(model, None, prompts, mask, tokens, 4, keep, capacity=10)  # room for 10: grown mid-decode
+    ours = _walk(model, step, prompts, mask, tokens, 4, keep, capacity=10)
+    for t, (a, b) in enumerate(zip(ours, theirs)):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=TOL[dtype], rtol=0), (t, (a - b).abs().max())
+    # not vacuous: the steps' logits move with their tokens and positions by far more than the tolerance
+    assert (theirs[1] - theirs[2]).abs().max() > 0.5
+
+
+def test_not_covered_or_not_agreeing_keeps_the_models_forward():
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64)).eval()
+    assert DecodeStep.for_model(gpt2) is None  # another architecture
+    sliding = Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=8, max_window_layers=1))
+    assert DecodeStep.for_model(sliding.eval()) is None  # a sliding window changes which keys a step sees
+    assert DecodeStep.for_model(MistralForCausalLM(MistralConfig(**SHAPE)).eval()) is None  # its 4096 window
+    bf16_sdpa = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval().to(torch.bfloat16)
+    assert bf16_sdpa.config._attn_implementation == "sdpa"
+    assert DecodeStep.for_model(bf16_sdpa) is None  # its bf16 scores are not the step's fp32 ones
+    assert DecodeStep.for_model(bf16_sdpa.float()) is not None  # in fp32 the same to the last bits
+    # a change the step does not know of (here, a layer's MLP doing something else): the check at build time
+    # sees the two disagree, and the engine keeps the model's forward
+    model = _model("llama-gqa")
+    assert DecodeStep.for_model(model) is not None
+    mlp = model.model.layers[1].mlp
+    plain = mlp.forward
+    mlp.forward = lambda x: 2 * plain(x)
+    assert DecodeStep.for_model(model) is None
