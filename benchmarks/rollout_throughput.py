@@ -15,8 +15,8 @@ decode step through the model's own forward instead of roles/rollout/decode_step
 the same run), `plain-bf16` the peer with its model in bf16; the `dtype` column says which ran. `vs plain` is
 against `plain` (fp32, as from_pretrained loads it).
 Per engine: completion tokens/s (median of --repeats after a warm-up call; the engines take turns, a call each
-per round, so a shared host's drift moves them alike), and for the HF paths where
-the time goes: prefill (a 1-token generate) vs decode, and padding waste (left-padding of prompts, and
+per round, so a shared host's drift moves them alike, and every call draws from the same seed), and for the HF
+paths where the time goes: prefill (a 1-token generate) vs decode, and padding waste (left-padding of prompts, and
 slots decoded after a row's EOS while others go on: `generate` pays them, our engines do not). The floor
 beside them, measured in the same process: this machine's memory bandwidth (GB/s reading a 1 GiB tensor), and
 the decode's achieved bandwidth (the weights' bytes read once per decode step / decode seconds) as its share.
@@ -150,35 +150,42 @@ def load(cfg, tok, batch, engine: str) -> tuple[dict, dict, object]:
 
 def measure(cfg, tok, batch, engines: list[str], repeats: int) -> list[dict]:
     """Each engine's rows, its calls timed in turns — one call of each engine, then the next round — so that a
-    machine whose speed drifts over minutes (a shared host) moves every engine alike, not the one that ran then."""
-    loaded = [load(cfg, tok, batch, engine) for engine in engines]
-    times: dict = {}
-    for rnd in range(repeats + 1):  # round 0 warms each up
-        for row, calls, _ in loaded:
-            for name, call in calls.items():
-                torch.manual_seed(rnd)  # the same draws each round: hf and hf-forward sample the same tokens
-                t = time.perf_counter()
-                mask = call()
-                if rnd:
-                    times.setdefault((row["engine"], name), []).append(time.perf_counter() - t)
-                if name == "generate":
-                    row["mask"] = mask
+    machine whose speed drifts over minutes (a shared host) moves every engine alike, not the one that ran then.
+    Every call draws from the same seed: each round is the same work, and hf / hf-forward sample the same tokens."""
+    loaded = []
+    try:
+        for engine in engines:
+            loaded.append(load(cfg, tok, batch, engine))
+        runs: dict = {}  # (engine, call) -> [(seconds, response mask)] of the timed rounds
+        for rnd in range(repeats + 1):  # round 0 warms each up
+            for row, calls, _ in loaded:
+                for name, call in calls.items():
+                    torch.manual_seed(0)
+                    t = time.perf_counter()
+                    mask = call()
+                    if rnd:
+                        runs.setdefault((row["engine"], name), []).append((time.perf_counter() - t, mask))
+    finally:
+        for _, _, worker in loaded:
+            if hasattr(worker, "close"):
+                worker.close()
     rows = []
-    for row, _, worker in loaded:
-        if hasattr(worker, "close"):
-            worker.close()
-        mask, engine = row.pop("mask"), row["engine"]
-        seconds, tokens = statistics.median(times[engine, "generate"]), int(mask.sum())
-        # slots decoded after a row's EOS: `generate` decodes the whole padded batch until the longest row
-        # ends; our HF engine and vLLM stop computing a sequence at its EOS
-        row.update(seconds=seconds, tokens=tokens, tok_s=tokens / seconds,
-                   generated_slot_waste=1 - tokens / mask.numel() if engine.startswith("plain") else 0.0,
+    for row, _, _ in loaded:
+        engine, gen = row["engine"], runs[row["engine"], "generate"]
+        masks = [m for _, m in gen]
+        row.update(seconds=statistics.median(s for s, _ in gen), tokens=int(masks[-1].sum()),
+                   tok_s=statistics.median(int(m.sum()) / s for s, m in gen),
+                   # slots decoded after a row's EOS: `generate` decodes the whole padded batch until the longest
+                   # row ends; our HF engine and vLLM stop computing a sequence at its EOS
+                   generated_slot_waste=1 - sum(int(m.sum()) for m in masks) / sum(m.numel() for m in masks)
+                   if engine.startswith("plain") else 0.0,
                    prompt_pad_waste=1 - batch["prompt_mask_BP"].float().mean().item())
-        if (engine, "prefill") in times:
-            row["prefill_s"] = statistics.median(times[engine, "prefill"])
-            row["decode_share"] = 1 - row["prefill_s"] / seconds
+        if (engine, "prefill") in runs:
+            row["prefill_s"] = statistics.median(s for s, _ in runs[engine, "prefill"])
+            row["decode_share"] = 1 - row["prefill_s"] / row["seconds"]
             # each decode step reads every weight once (the batch's rows share it): bytes over the decode's seconds
-            row["decode_gb_s"] = row["weight_bytes"] * (mask.shape[1] - 1) / (seconds - row["prefill_s"]) / 1e9
+            row["decode_gb_s"] = statistics.median(row["weight_bytes"] * (m.shape[1] - 1) / (s - row["prefill_s"])
+                                                   for s, m in gen) / 1e9
         rows.append(row)
     return rows
 

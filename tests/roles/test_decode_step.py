@@ -2,7 +2,7 @@
 same logits at every step of the engine's walk (left-padded prefill, the n samples' rows repeated, finished rows
 dropped, the cache grown past its room) on each covered architecture and option that changes the math (grouped
 or not, biases, a head size of its own, a scaled rotary), in fp32 and bf16; and the model's forward kept where
-the step is not covered or does not agree.
+the step is not covered or does not agree; past the attention's small size, SDPA in both.
 
 Tolerance: the two run the same ops on the same numbers, and here agree to the last bit in fp32 and bf16; but
 the model's linears see [rows, 1, features] and the step's [rows, features], and another CPU's BLAS may block
@@ -84,12 +84,9 @@ def _walk(model, step, prompts, mask, tokens, drop_at: int, keep: torch.Tensor, 
     return out + [logits.float()]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", list(MODELS))
-def test_the_step_gives_the_models_logits_through_the_engines_walk(kind, dtype):
-    model = _model(kind, dtype)
+def _both_walks(model):
     step = DecodeStep.for_model(model)
-    assert step is not None, kind
+    assert step is not None
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(1, 96, (3, 6), generator=g)
     mask = torch.ones_like(prompts)
@@ -99,10 +96,27 @@ def test_the_step_gives_the_models_logits_through_the_engines_walk(kind, dtype):
     tokens = torch.randint(1, 96, (12, 6), generator=g)
     theirs = _walk(model, None, prompts, mask, tokens, 4, keep, capacity=10)  # room for 10: grown mid-decode
     ours = _walk(model, step, prompts, mask, tokens, 4, keep, capacity=10)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_the_step_gives_the_models_logits_through_the_engines_walk(kind, dtype):
+    ours, theirs = _both_walks(_model(kind, dtype))
     for t, (a, b) in enumerate(zip(ours, theirs)):
         assert a.shape == b.shape and torch.allclose(a, b, atol=TOL[dtype], rtol=0), (t, (a - b).abs().max())
     # not vacuous: the steps' logits move with their tokens and positions by far more than the tolerance
     assert (theirs[1] - theirs[2]).abs().max() > 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_past_the_small_attentions_size_the_step_takes_sdpa_as_the_model_does(dtype, monkeypatch):
+    """A big decode batch (rows x heads x keys over SMALL_SCORES) runs SDPA in the model's attention: in bf16 its
+    scores differ from the plain path's by more than the tolerance, so a step that kept the plain path fails."""
+    monkeypatch.setattr(attention, "SMALL_SCORES", 0)  # every call past it
+    ours, theirs = _both_walks(_model("qwen2", dtype))
+    for t, (a, b) in enumerate(zip(ours, theirs)):
+        assert torch.allclose(a, b, atol=TOL[dtype], rtol=0), (t, (a - b).abs().max())
 
 
 def test_not_covered_or_not_agreeing_keeps_the_models_forward():
@@ -112,10 +126,13 @@ def test_not_covered_or_not_agreeing_keeps_the_models_forward():
     sliding = Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=8, max_window_layers=1))
     assert DecodeStep.for_model(sliding.eval()) is None  # a sliding window changes which keys a step sees
     assert DecodeStep.for_model(MistralForCausalLM(MistralConfig(**SHAPE)).eval()) is None  # its 4096 window
-    bf16_sdpa = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval().to(torch.bfloat16)
-    assert bf16_sdpa.config._attn_implementation == "sdpa"
-    assert DecodeStep.for_model(bf16_sdpa) is None  # its bf16 scores are not the step's fp32 ones
-    assert DecodeStep.for_model(bf16_sdpa.float()) is not None  # in fp32 the same to the last bits
+    sdpa = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
+    assert sdpa.config._attn_implementation == "sdpa"
+    assert DecodeStep.for_model(sdpa) is None  # model.attention=sdpa (not the CPU default): the model's own
+    # a covered class of another structure (here: no rotary module) is not built, and is no error either
+    odd = _model("llama-gqa")
+    del odd.model.rotary_emb
+    assert DecodeStep.for_model(odd) is None
     # a change the step does not know of (here, a layer's MLP doing something else): the check at build time
     # sees the two disagree, and the engine keeps the model's forward
     model = _model("llama-gqa")

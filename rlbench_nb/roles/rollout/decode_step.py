@@ -9,12 +9,13 @@ to do, and the rest is overhead. Through `model(...)` a step of SmolLM2-135M at 
 matmuls on a 2-core EPYC (AVX2): per call a mask built from the 2-D attention mask, per layer module calls,
 keyword plumbing, the attention interface's dispatch, a rotary and a norm of a few small ops each. Here the same
 ops run in the same order on the same modules' weights — the logits are those of `model(...)` to the last bit on
-the models of tests/roles/test_decode_step.py — with one additive mask and one rotary per step for all layers.
+the models of tests/roles/test_decode_step.py — with one mask and one rotary per step for all layers.
 
 Covered: Llama, Mistral without a sliding window, Qwen2 without sliding layers (the same decoder layer: RMSNorm,
 rotary, grouped-query attention, a gated MLP; biases as the modules hold them), with the attention the engine's
-model gets on a CPU (ops/attention.py; in fp32 also SDPA or eager). Anything else — another architecture, a
-sliding window, a bf16 model on SDPA, a cache layer that is not `ReservedLayer` — keeps the model's forward.
+model gets on a CPU (ops/attention.py's function, which the step calls itself: its plain matmuls for small calls
+and SDPA for big ones, as in the model). Anything else — another architecture, a sliding window, another
+attention implementation, a cache layer that is not `ReservedLayer` — keeps the model's forward.
 `for_model` also runs one step both ways on a tiny input and keeps the model's forward if they differ: a config
 option this does not know of must cost speed, never the sampled distribution.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ...ops.attention import NAME as CPU_ATTENTION
+from ...ops.attention import small_or_sdpa_attention
 from .kv_cache import ReservedLayer, reserved_cache
 
 COVERED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -39,8 +41,6 @@ class DecodeStep:
         self.layers = list(inner.layers)
         attn = self.layers[0].self_attn
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
-        self.kv_heads = model.config.num_key_value_heads
-        self.groups = model.config.num_attention_heads // self.kv_heads
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> DecodeStep | None:
@@ -49,14 +49,15 @@ class DecodeStep:
         if type(model).__name__ not in COVERED or getattr(c, "sliding_window", None) is not None \
                 or any(t != "full_attention" for t in getattr(c, "layer_types", None) or ()):
             return None
-        # the attention here is ops/attention.py's plain path (what the engine's model runs on a CPU by default):
-        # in fp32 SDPA's and eager's differ from it in last bits only, in bf16 they round scores and probabilities
-        # to bf16 where it keeps fp32
-        low = next(model.parameters()).dtype != torch.float32
-        if c._attn_implementation not in ((CPU_ATTENTION,) if low else (CPU_ATTENTION, "sdpa", "eager")):
+        # the step calls ops/attention.py's function, what the engine's model runs on a CPU by default
+        # (model.attention=auto); a model asked to run another keeps its forward
+        if getattr(c, "_attn_implementation", None) != CPU_ATTENTION:
             return None
-        step = cls(model)
-        return step if step.agrees_with(model) else None
+        try:
+            step = cls(model)
+            return step if step.agrees_with(model) else None
+        except Exception:  # a covered class of another structure (remote code, an older layout): its own forward
+            return None
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor,
                  cache) -> torch.Tensor:
@@ -66,32 +67,22 @@ class DecodeStep:
         rows = tokens.shape[0]
         x = self.embed(tokens)  # through the module: its hooks see the step as they see model(...)'s
         cos, sin = self.rotary(x, positions)  # [rows, 1, head dim]: the model's own (its scaling, dynamic or not)
-        # the padding mask as the attention adds it, made once for every layer: [rows, 1, 1, keys]
-        add_mask = torch.zeros(attention_mask.shape, dtype=torch.float32, device=x.device).masked_fill_(
-            attention_mask == 0, torch.finfo(torch.float32).min)[:, None, None, :]
+        # the mask transformers' sdpa_mask makes for one query, once for every layer: None where no key is padding
+        mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             h = _rms_norm(layer.input_layernorm, x)
-            q = _rotate(a.q_proj.forward(h).view(rows, -1, self.head_dim), cos, sin)
-            k = _rotate(a.k_proj.forward(h).view(rows, self.kv_heads, 1, self.head_dim), cos[:, None], sin[:, None])
-            v = a.v_proj.forward(h).view(rows, self.kv_heads, 1, self.head_dim)
+            q = _rotate(a.q_proj.forward(h).view(rows, -1, 1, self.head_dim), cos[:, None], sin[:, None])
+            k = _rotate(a.k_proj.forward(h).view(rows, -1, 1, self.head_dim), cos[:, None], sin[:, None])
+            v = a.v_proj.forward(h).view(rows, -1, 1, self.head_dim)
             keys, values = cache.layers[i].update(k, v)
-            x = x + a.o_proj.forward(self._attend(q, keys, values, add_mask))
+            # the model's own attention function (plain matmuls, or SDPA past SMALL_SCORES), called as it calls it
+            out, _ = small_or_sdpa_attention(a, q, keys, values, mask, scaling=self.scaling, dropout=0.0)
+            x = x + a.o_proj.forward(out.reshape(rows, -1))
             h = _rms_norm(layer.post_attention_layernorm, x)
             mlp = layer.mlp
             x = x + mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(h)) * mlp.up_proj.forward(h))
         return self.lm_head.forward(_rms_norm(self.norm, x))
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, add_mask: torch.Tensor
-                ) -> torch.Tensor:
-        """One query per row against its cache, grouped-query without repeating the cache (ops/attention.py's
-        plain path: the G query heads of a KV head are G query rows of it; fp32 scores and softmax for bf16)."""
-        rows, dtype = q.shape[0], q.dtype
-        if dtype != torch.float32:
-            q, keys, values = q.float(), keys.float(), values.float()
-        scores = torch.matmul(q.view(rows, self.kv_heads, self.groups, self.head_dim), keys.transpose(2, 3))
-        probs = torch.softmax(scores.mul_(self.scaling).add_(add_mask), dim=-1)
-        return torch.matmul(probs, values).view(rows, -1).to(dtype)
 
     def agrees_with(self, model: torch.nn.Module) -> bool:
         """One step on a tiny left-padded batch, this way and model(...)'s, from the same prefill."""
