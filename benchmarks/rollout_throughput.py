@@ -137,7 +137,8 @@ def load(cfg, tok, batch, engine: str) -> tuple[dict, dict, object]:
     worker = cls(cfg, str(cfg.model.path), tok.eos_token_id, tok.pad_token_id)
     row["engine_start_s"] = time.perf_counter() - t
     if engine.endswith("-forward"):
-        worker.decode_step = None  # each decode step through model(...)
+        from rlbench_nb.roles.rollout.decode_step import model_step
+        worker.decode_step = model_step(worker.model)  # each decode step through model(...)
     row["dtype"] = worker.dtype
     calls = {"generate": lambda: worker.generate(batch)["response_mask_BR"]}
     if engine.startswith("hf"):

@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from rlbench_nb.ops import attention
-from rlbench_nb.roles.rollout.decode_step import DecodeStep
+from rlbench_nb.roles.rollout.decode_step import DecodeStep, decode_step_for, model_step
 from rlbench_nb.roles.rollout.kv_cache import reserved_cache
 from rlbench_nb.roles.rollout.skinny_linear import use_skinny_linears
 
@@ -60,7 +60,7 @@ def _model(kind: str, dtype=torch.float32, skinny: bool = True):
 def _walk(model, step, prompts, mask, tokens, drop_at: int, keep: torch.Tensor, capacity: int):
     """The engine's decode walk (hf_engine.py) feeding `tokens` [steps, rows] (the same to both ways: a sampled
     token that one bf16 last bit flipped would make the rest of two walks incomparable), each decode step by
-    `step` or, for None, by model(...): the logits of every step."""
+    `step` (a DecodeStep, or model_step: the model's own forward): the logits of every step."""
     cache = reserved_cache(model.config, capacity)
     with torch.no_grad():
         logits = model(input_ids=prompts, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
@@ -78,9 +78,7 @@ def _walk(model, step, prompts, mask, tokens, drop_at: int, keep: torch.Tensor, 
             token = tokens[t, rows]
             positions = mask.sum(-1, keepdim=True)
             mask = torch.cat([mask, mask.new_ones(len(token), 1)], dim=1)
-            logits = step(token, positions, mask, cache) if step is not None else model(
-                input_ids=token[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=True).logits[:, -1]
+            logits = step(token, positions, mask, cache)
     return out + [logits.float()]
 
 
@@ -94,7 +92,8 @@ def _both_walks(model):
     mask[2, :4] = 0
     keep = torch.tensor([0, 2, 3, 5])
     tokens = torch.randint(1, 96, (12, 6), generator=g)
-    theirs = _walk(model, None, prompts, mask, tokens, 4, keep, capacity=10)  # room for 10: grown mid-decode
+    # room for 10 positions: the cache grows mid-decode
+    theirs = _walk(model, model_step(model), prompts, mask, tokens, 4, keep, capacity=10)
     ours = _walk(model, step, prompts, mask, tokens, 4, keep, capacity=10)
     return ours, theirs
 
@@ -123,6 +122,7 @@ def test_not_covered_or_not_agreeing_keeps_the_models_forward():
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64)).eval()
     assert DecodeStep.for_model(gpt2) is None  # another architecture
+    assert not isinstance(decode_step_for(gpt2), DecodeStep)  # the engine decodes it through model_step
     sliding = Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=8, max_window_layers=1))
     assert DecodeStep.for_model(sliding.eval()) is None  # a sliding window changes which keys a step sees
     assert DecodeStep.for_model(MistralForCausalLM(MistralConfig(**SHAPE)).eval()) is None  # its 4096 window

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import rlbench_nb as rl
+from rlbench_nb.roles.rollout.decode_step import DecodeStep
 
 from ..conftest import assert_rollout_holds_policy_weights
 
@@ -39,7 +40,7 @@ def test_engine_matches_hf_generate_and_drops_finished_rows(small_cfg):
     once per distinct prompt and a row stops being computed once it has sampled EOS."""
     sess = rl.Session(small_cfg("run.tensorboard=false", "rollout.max_new_tokens=6"))
     worker = sess.groups["rollout"].workers[0]
-    assert worker.decode_step is not None  # the built-in Llama on a CPU: decoded by decode_step.py
+    assert isinstance(worker.decode_step, DecodeStep)  # the built-in Llama on a CPU: decoded by decode_step.py
     probe = sess.prompts.encode(sess.test_data.rows[:10], 3, "probe")  # 10 prompts x 3 copies
     greedy = sess.cfg.rollout.model_copy(update={"temperature": 0.0})
     rows_seen = []

@@ -1,7 +1,7 @@
 """One decode step of a Llama-style model, written out: the HF engine's decode loop without transformers'
 per-call machinery.
 
-    step = DecodeStep.for_model(model)        # None: not a model this covers (the engine calls the model)
+    step = decode_step_for(model)             # a DecodeStep, or model_step(model) where this does not cover it
     logits = step(tokens, positions, attention_mask, cache)   # [rows] -> [rows, vocab], as model(...) gives
 
 A decode step multiplies a few rows by every weight of the model; on a CPU the matmuls are all the work there is
@@ -31,6 +31,19 @@ COVERED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # one step against model(...) on a tiny input, as a share of the logits' scale (1 + max |logit|): the same ops on
 # the same numbers agree to the last bits a matmul's blocking moves; a wrong rotary, bias or mask moves them by >1%
 AGREE_FP32, AGREE_LOW = 1e-4, 2e-2
+
+
+def model_step(model: torch.nn.Module):
+    """The model's own forward as a decode step: the fallback, and what a DecodeStep is checked against."""
+    def step(tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
+        return model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=positions,
+                     past_key_values=cache, use_cache=True).logits[:, -1]
+    return step
+
+
+def decode_step_for(model: torch.nn.Module):
+    """The written-out step where it covers `model` and agrees with it, else the model's own forward."""
+    return DecodeStep.for_model(model) or model_step(model)
 
 
 class DecodeStep:
@@ -92,7 +105,7 @@ class DecodeStep:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = []
         with torch.no_grad():
-            for decode in (self, None):
+            for decode in (self, model_step(model)):
                 cache = reserved_cache(model.config, 4)
                 logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                                use_cache=True, logits_to_keep=1).logits[:, -1]
@@ -100,9 +113,7 @@ class DecodeStep:
                     return False
                 token, step_mask = logits.argmax(-1), torch.cat([mask, mask.new_ones(2, 1)], dim=1)
                 next_pos = mask.sum(-1, keepdim=True)
-                out.append((decode(token, next_pos, step_mask, cache) if decode is not None else
-                            model(input_ids=token[:, None], attention_mask=step_mask, position_ids=next_pos,
-                                  past_key_values=cache, use_cache=True).logits[:, -1]).float())
+                out.append(decode(token, next_pos, step_mask, cache).float())
         tol = AGREE_FP32 if param.dtype == torch.float32 else AGREE_LOW
         return bool((out[0] - out[1]).abs().max() <= tol * (1 + out[1].abs().max()))
 

@@ -23,6 +23,7 @@ import torch
 from ...config import RolloutConfig
 from ...data.batch import Batch
 from ...envs import Env, run_steps
+from .decode_step import model_step
 from .kv_cache import reserved_cache
 
 
@@ -34,8 +35,9 @@ def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: Rollout
     own encoding, chat template included; default: the plain tokens); then model and environment take turns
     until the environment says done, `env.max_turns` model turns were taken, or `p.max_new_tokens` tokens (the
     model's and the environment's together) are spent. `sample(logits, p, gen) -> (tokens, logprobs)` is the
-    engine's sampler; `decode_step` the engine's written-out step (decode_step.py; None: model(...))."""
+    engine's sampler; `decode_step` the engine's decode step (decode_step.py; None: the model's own forward)."""
     device = next(model.parameters()).device
+    decode_step = decode_step or model_step(model)
     eos = tokenizer.eos_token_id if eos is None else eos
     pad = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos) if pad is None else pad
     encode = prompt_ids or (lambda text: tokenizer.encode(text, add_special_tokens=False))
@@ -74,11 +76,7 @@ def run_episodes(model, tokenizer, envs: list[Env], rows: list[dict], p: Rollout
             tok, next_pos, attn = tok[keep], next_pos[index], attn[index]
             cache.batch_select_indices(index)
         attn = torch.cat([attn, attn.new_ones((len(rows_left), 1))], dim=1)
-        if decode_step is not None:
-            logits = decode_step(tok.to(device), next_pos, attn, cache)
-        else:
-            logits = model(input_ids=tok[:, None].to(device), attention_mask=attn, position_ids=next_pos,
-                           past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = decode_step(tok.to(device), next_pos, attn, cache)
         next_pos = next_pos + 1
     return state.batch(steps, ids.cpu(), envs)
 

@@ -14,7 +14,7 @@ from ...determinism import sampling_generator
 from ...ops.precision import rollout_dtype
 from ..common import DTYPES, load_causal_lm, load_weights, pick_device
 from .base import RolloutWorker
-from .decode_step import DecodeStep
+from .decode_step import decode_step_for, model_step
 from .kv_cache import reserved_cache
 from .sampling import sample_next
 from .skinny_linear import use_skinny_linears
@@ -32,11 +32,11 @@ class HFRolloutWorker(RolloutWorker):
         self.model.requires_grad_(False)
         self.model.eval()
         # on a CPU: the linears' decode-sized form, and a decode step without transformers' per-call machinery
-        # (Llama-style models; None: the model's own forward)
-        self.decode_step = None
+        # (Llama-style models, decode_step.py; others, and any model on an accelerator: the model's own forward)
+        self.decode_step = model_step(self.model)
         if self.device.type == "cpu":
             use_skinny_linears(self.model)
-            self.decode_step = DecodeStep.for_model(self.model)
+            self.decode_step = decode_step_for(self.model)
         self.eos, self.pad = eos_token_id, pad_token_id
         self.weight_version = 0
 
@@ -95,11 +95,7 @@ class HFRolloutWorker(RolloutWorker):
                 rows, tok, next_pos, attn = rows[keep], tok[keep], next_pos[keep], attn[keep]
                 cache.batch_select_indices(keep)
             attn = torch.cat([attn, attn.new_ones((len(rows), 1))], dim=1)
-            if self.decode_step is not None:
-                logits = self.decode_step(tok, next_pos, attn, cache)
-            else:
-                logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
-                                    past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = self.decode_step(tok, next_pos, attn, cache)
             next_pos = next_pos + 1
         resp_mask = (torch.arange(steps, device=self.device)[None, :] < lengths[:, None]).long()
         return Batch({"response_ids_BR": tokens[:, :steps].cpu(), "response_mask_BR": resp_mask.cpu(),
