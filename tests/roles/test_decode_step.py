@@ -43,7 +43,9 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
 
 
 def _model(kind: str, dtype=torch.float32, skinny: bool = True):
-    """A random-init model as the engine holds one on a CPU: ops/attention.py's attention, skinny linears."""
+    """A random-init model as the engine holds one on a CPU: ops/attention.py's attention, skinny linears (every
+    fp32 one, whatever its size: these shapes are below the engine's MIN_WEIGHT, and the step has a path of its
+    own for them; bf16 linears keep F.linear, as in the engine)."""
     torch.manual_seed(0)
     model = MODELS[kind]().eval().to(dtype)
     attention.register()
@@ -53,7 +55,7 @@ def _model(kind: str, dtype=torch.float32, skinny: bool = True):
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
     if skinny:
-        use_skinny_linears(model)
+        use_skinny_linears(model, min_weight=0)
     return model.requires_grad_(False)
 
 
@@ -106,6 +108,19 @@ def test_the_step_gives_the_models_logits_through_the_engines_walk(kind, dtype):
         assert a.shape == b.shape and torch.allclose(a, b, atol=TOL[dtype], rtol=0), (t, (a - b).abs().max())
     # not vacuous: the steps' logits move with their tokens and positions by far more than the tolerance
     assert (theirs[1] - theirs[2]).abs().max() > 0.5
+
+
+def test_a_layer_with_a_linear_of_its_own_kind_runs_each_linears_own_forward():
+    """A layer whose linears are not all the skinny kind (here layer 0's v projection keeps F.linear, as a small
+    one would at the engine's MIN_WEIGHT) runs every linear through its module; the other layer through the
+    step's W @ h^T. Both give the model's logits."""
+    model = _model("llama-gqa")
+    v = model.model.layers[0].self_attn.v_proj
+    v.forward = torch.nn.Linear.forward.__get__(v)
+    assert [layer[-1] for layer in DecodeStep(model).layers] == [False, True]
+    ours, theirs = _both_walks(model)
+    for t, (a, b) in enumerate(zip(ours, theirs)):
+        assert torch.allclose(a, b, atol=TOL[torch.float32], rtol=0), (t, (a - b).abs().max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

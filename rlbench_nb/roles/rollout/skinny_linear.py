@@ -27,20 +27,31 @@ PAD_TO, PAD_FROM = 16, 5
 MIN_WEIGHT = 2 ** 16
 
 
+def skinny_padding(rows: int) -> int:
+    """Zero rows to add to `rows` rows before W @ x^T."""
+    return PAD_TO - rows % PAD_TO if rows >= PAD_FROM and rows % PAD_TO else 0
+
+
 def skinny_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if not 0 < rows <= MAX_ROWS or torch.is_grad_enabled():
         return torch.nn.functional.linear(x, self.weight, self.bias)
     x2 = x.reshape(rows, x.shape[-1])
-    if rows >= PAD_FROM and rows % PAD_TO:
-        x2 = torch.nn.functional.pad(x2, (0, 0, 0, PAD_TO - rows % PAD_TO))
+    pad = skinny_padding(rows)
+    if pad:
+        x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad))
     y = torch.mm(self.weight, x2.t()).t()[:rows]
     if self.bias is not None:
         y = y + self.bias
     return y.reshape(*x.shape[:-1], self.weight.shape[0])
 
 
-def use_skinny_linears(model: torch.nn.Module) -> int:
+def is_skinny(linear: torch.nn.Module) -> bool:
+    """Whether `use_skinny_linears` gave `linear` the skinny forward."""
+    return getattr(linear.forward, "__func__", None) is skinny_forward
+
+
+def use_skinny_linears(model: torch.nn.Module, min_weight: int = MIN_WEIGHT) -> int:
     """Give each plain fp32 `nn.Linear` of `model` with at least MIN_WEIGHT weights the skinny forward; how many
     got it. Subclasses (quantized, LoRA wrappers) keep their own forward; the plain layers they wrap get this one.
     bf16 layers (rollout.dtype) keep F.linear: oneDNN's bf16 kernels do not repack the weight, and W @ x^T was
@@ -48,7 +59,7 @@ def use_skinny_linears(model: torch.nn.Module) -> int:
     patched = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32 \
-                and module.weight.device.type == "cpu" and module.weight.numel() >= MIN_WEIGHT:
+                and module.weight.device.type == "cpu" and module.weight.numel() >= min_weight:
             module.forward = types.MethodType(skinny_forward, module)
             patched += 1
     return patched
