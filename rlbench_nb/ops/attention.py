@@ -68,7 +68,7 @@ def _plain(module, query, key, value, attention_mask, scale: float, dropout: flo
         # [b, 1 or H, Lq, Lk] (or [Lq, Lk]) -> broadcastable to the scores' [B, KVH, G, Lq, Lk]
         mask = attention_mask if attention_mask.dim() == 4 else attention_mask[None, None]
         mask = mask.unsqueeze(2) if mask.shape[1] == 1 else mask.reshape(mask.shape[0], KVH, G, Lq, Lk)
-        if mask.dtype == torch.bool:  # in place: the scores are this call's own (and autograd keeps only the mask)
+        if mask.dtype == torch.bool:  # in place: the scores are this call's own, and autograd keeps only the mask
             scores = scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
         else:  # an additive float mask
             scores = scores + mask.to(scores.dtype)

@@ -21,9 +21,11 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rlbench_nb.ops import attention
-from rlbench_nb.roles.rollout.decode_step import DecodeStep, decode_step_for, model_step
+from rlbench_nb.roles.rollout import decode_step, skinny_linear
+from rlbench_nb.roles.rollout.decode_step import DecodeStep, _rotate, _signed_sin, decode_step_for, model_step
 from rlbench_nb.roles.rollout.kv_cache import reserved_cache
 from rlbench_nb.roles.rollout.skinny_linear import use_skinny_linears
 
@@ -84,8 +86,8 @@ def _walk(model, step, prompts, mask, tokens, drop_at: int, keep: torch.Tensor, 
     return out + [logits.float()]
 
 
-def _both_walks(model):
-    step = DecodeStep.for_model(model)
+def _both_walks(model, step=None):
+    step = step or DecodeStep.for_model(model)
     assert step is not None
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(1, 96, (3, 6), generator=g)
@@ -117,10 +119,40 @@ def test_a_layer_with_a_linear_of_its_own_kind_runs_each_linears_own_forward():
     model = _model("llama-gqa")
     v = model.model.layers[0].self_attn.v_proj
     v.forward = torch.nn.Linear.forward.__get__(v)
-    assert [layer[-1] for layer in DecodeStep(model).layers] == [False, True]
+    assert [layer.skinny for layer in DecodeStep(model).layers] == [False, True]
     ours, theirs = _both_walks(model)
     for t, (a, b) in enumerate(zip(ours, theirs)):
         assert torch.allclose(a, b, atol=TOL[torch.float32], rtol=0), (t, (a - b).abs().max())
+
+
+@pytest.mark.parametrize("max_rows", [skinny_linear.MAX_ROWS, 4])
+def test_one_operand_per_input_of_a_layer_and_only_where_the_skinny_form_takes_the_rows(max_rows, monkeypatch):
+    """The W @ x^T operand is made four times a layer (q/k/v's, o's, gate/up's, down's), not once per linear (seven);
+    past MAX_ROWS (here 4: the walk's 6-row steps) the linears run their own forward (F.linear), as
+    skinny_forward would. The model's logits either way."""
+    model = _model("llama-gqa")
+    step = DecodeStep.for_model(model)
+    made = []
+    monkeypatch.setattr(decode_step, "columns", lambda x: made.append(x.shape[0]) or skinny_linear.columns(x))
+    monkeypatch.setattr(skinny_linear, "MAX_ROWS", max_rows)
+    ours, theirs = _both_walks(model, step)
+    for t, (a, b) in enumerate(zip(ours, theirs)):
+        assert torch.allclose(a, b, atol=TOL[torch.float32], rtol=0), (t, (a - b).abs().max())
+    # the walk: 12 steps, 4 of 6 rows, then 8 of 4 rows; 2 layers
+    assert made == [6] * 4 * 2 * 4 + [4] * 4 * 2 * 8 if max_rows >= 6 else made == [4] * 4 * 2 * 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [8, 48, 64])
+def test_the_rotation_is_transformers_to_the_bit(head_dim, dtype):
+    """x * cos + x.roll(half) * signed_sin against apply_rotary_pos_emb's x * cos + rotate_half(x) * sin: the same
+    products (a sign moved from one factor to the other is exact), the same sums, so equal, not close."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(5, n, 1, head_dim, generator=g).to(dtype) for n in (4, 2))
+    cos, sin = (torch.randn(5, 1, head_dim, generator=g).to(dtype) for _ in range(2))
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    assert torch.equal(_rotate(q, cos[:, None], _signed_sin(sin[:, None])), q_ref)
+    assert torch.equal(_rotate(k, cos[:, None], _signed_sin(sin[:, None])), k_ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

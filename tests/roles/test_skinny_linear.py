@@ -6,7 +6,7 @@ Tolerance: the two forms add the same products in another order; fp32 sums of 15
 by ~1e-5 at most on any CPU's vector width, a wrong row or a missing bias by ~1."""
 import torch
 
-from rlbench_nb.roles.rollout.skinny_linear import MAX_ROWS, use_skinny_linears
+from rlbench_nb.roles.rollout.skinny_linear import MAX_ROWS, columns, takes_columns, times_columns, use_skinny_linears
 
 
 def test_skinny_linear_matches_f_linear_at_every_row_count():
@@ -23,6 +23,12 @@ def test_skinny_linear_matches_f_linear_at_every_row_count():
                                              model[1].weight)
         assert ours.shape == ref.shape == (rows, 1, 192)
         assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-5), (rows, (ours - ref).abs().max())
+        # the decode step's form (one operand for the linears sharing an input) gives skinny_forward's numbers
+        with torch.no_grad():
+            if takes_columns(rows):
+                x2 = x.reshape(rows, 192)
+                shared = times_columns(model[0], columns(x2), rows)
+                assert torch.equal(shared, model[0](x2)) and shared.shape == (rows, 1536)
     x = torch.randn(4, 192, requires_grad=True)  # with autograd: F.linear's path, gradients as ever
     model[0](x).sum().backward()
     assert torch.allclose(x.grad, model[0].weight.sum(0).expand(4, -1), atol=1e-5)

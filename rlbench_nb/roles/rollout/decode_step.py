@@ -10,9 +10,10 @@ matmuls on a 2-core EPYC (AVX2): per call a mask built from the 2-D attention ma
 keyword plumbing, the attention interface's dispatch, a rotary and a norm of a few small ops each. Here the same
 ops run in the same order on the same modules' weights — the logits are those of `model(...)` to the last bit on
 the models of tests/roles/test_decode_step.py — with one mask, one rotary (its sin signed once, so a rotation is
-x * cos + x.roll(half) * sin: four ops, not seven) and one row count per step for all layers, and the skinny
-linears' operand (skinny_linear.py: rows padded to 16, transposed) made once per input, not once per linear:
-q, k and v share theirs, as do gate and up. Those last three took a SmolLM2 step 7% faster again (session 43).
+x * cos + x.roll(half) * sin: four ops, not seven) per step for all layers, each layer's modules looked up once,
+and the skinny linears' operand (skinny_linear.py: rows padded to a multiple of 16, transposed) made once per
+input, not once per linear: q, k and v share theirs, as do gate and up. With the attention's mask applied in
+place, session 43's changes took a fixed 16-row SmolLM2 step 7% faster again, to the same bits.
 
 Covered: Llama, Mistral without a sliding window, Qwen2 without sliding layers (the same decoder layer: RMSNorm,
 rotary, grouped-query attention, a gated MLP; biases as the modules hold them), with the attention the engine's
@@ -24,12 +25,14 @@ option this does not know of must cost speed, never the sampled distribution.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ...ops.attention import NAME as CPU_ATTENTION
 from ...ops.attention import small_or_sdpa_attention
 from .kv_cache import ReservedLayer, reserved_cache
-from .skinny_linear import MAX_ROWS, is_skinny, skinny_padding
+from .skinny_linear import columns, is_skinny, takes_columns, times_columns
 
 COVERED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # one step against model(...) on a tiny input, as a share of the logits' scale (1 + max |logit|): the same ops on
@@ -55,11 +58,8 @@ class DecodeStep:
         inner = model.model
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
         self.lm_head = model.lm_head
-        # per layer its attention, MLP and norms, and whether all its linears have the skinny form (the engine gives
-        # it to every plain fp32 linear big enough to gain): looked up once, not through nn.Module's __getattr__
-        self.layers = [(layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm,
-                        all(is_skinny(lin) for lin in _linears(layer))) for layer in inner.layers]
-        attn = self.layers[0][0]
+        self.layers = [Layer.of(layer) for layer in inner.layers]
+        attn = self.layers[0].attn
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
 
     @classmethod
@@ -90,25 +90,22 @@ class DecodeStep:
         cos, sin = cos[:, None], _signed_sin(sin[:, None])  # [rows, 1 (heads), 1, head dim], for every layer
         # the mask transformers' sdpa_mask makes for one query, once for every layer: None where no key is padding
         mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
-        # the skinny linears' W @ x^T (skinny_linear.py) with its rows padded and transposed once per input, not
-        # once per linear: the q, k and v projections share theirs, as do the gate and up projections
-        pad = skinny_padding(rows) if rows <= MAX_ROWS and not torch.is_grad_enabled() else None
-        for i, (a, mlp, norm1, norm2, skinny) in enumerate(self.layers):
-            cols = skinny and pad is not None
-            h = _rms_norm(norm1, x)
-            h_t = _columns(h, pad) if cols else None
-            q = _rotate(_linear(a.q_proj, h, h_t, rows).view(rows, -1, 1, self.head_dim), cos, sin)
-            k = _rotate(_linear(a.k_proj, h, h_t, rows).view(rows, -1, 1, self.head_dim), cos, sin)
-            v = _linear(a.v_proj, h, h_t, rows).view(rows, -1, 1, self.head_dim)
+        # the skinny linears' W @ x^T (skinny_linear.py) from one padded, transposed operand per input, not one per
+        # linear: q, k and v share theirs, as do gate and up
+        skinny_now = takes_columns(rows)
+        for i, layer in enumerate(self.layers):
+            own = not (skinny_now and layer.skinny)  # this layer's linears through their modules' forward
+            h = _input(_rms_norm(layer.input_norm, x), own)
+            q = _rotate(_project(layer.q, h, own, rows).view(rows, -1, 1, self.head_dim), cos, sin)
+            k = _rotate(_project(layer.k, h, own, rows).view(rows, -1, 1, self.head_dim), cos, sin)
+            v = _project(layer.v, h, own, rows).view(rows, -1, 1, self.head_dim)
             keys, values = cache.layers[i].update(k, v)
             # the model's own attention function (plain matmuls, or SDPA past SMALL_SCORES), called as it calls it
-            out, _ = small_or_sdpa_attention(a, q, keys, values, mask, scaling=self.scaling, dropout=0.0)
-            out = out.reshape(rows, -1)
-            x = x + _linear(a.o_proj, out, _columns(out, pad) if cols else None, rows)
-            h = _rms_norm(norm2, x)
-            h_t = _columns(h, pad) if cols else None
-            up = mlp.act_fn(_linear(mlp.gate_proj, h, h_t, rows)) * _linear(mlp.up_proj, h, h_t, rows)
-            x = x + _linear(mlp.down_proj, up, _columns(up, pad) if cols else None, rows)
+            out, _ = small_or_sdpa_attention(layer.attn, q, keys, values, mask, scaling=self.scaling, dropout=0.0)
+            x = x + _project(layer.o, _input(out.reshape(rows, -1), own), own, rows)
+            h = _input(_rms_norm(layer.post_norm, x), own)
+            up = layer.act(_project(layer.gate, h, own, rows)) * _project(layer.up, h, own, rows)
+            x = x + _project(layer.down, _input(up, own), own, rows)
         return self.lm_head.forward(_rms_norm(self.norm, x))
 
     def agrees_with(self, model: torch.nn.Module) -> bool:
@@ -132,23 +129,39 @@ class DecodeStep:
         return bool((out[0] - out[1]).abs().max() <= tol * (1 + out[1].abs().max()))
 
 
-def _linears(layer) -> tuple[torch.nn.Module, ...]:
-    a, mlp = layer.self_attn, layer.mlp
-    return a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+class Layer(NamedTuple):
+    """A decoder layer's modules, looked up once (not through nn.Module's __getattr__ every step), and whether all
+    its linears have the skinny form (the engine gives it to every plain fp32 linear big enough to gain). Modules,
+    not tensors: a step reads each weight as it is then (set_weights copies into them in place)."""
+    attn: torch.nn.Module
+    input_norm: torch.nn.Module
+    post_norm: torch.nn.Module
+    q: torch.nn.Module
+    k: torch.nn.Module
+    v: torch.nn.Module
+    o: torch.nn.Module
+    gate: torch.nn.Module
+    up: torch.nn.Module
+    down: torch.nn.Module
+    act: torch.nn.Module
+    skinny: bool
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> Layer:
+        a, mlp = layer.self_attn, layer.mlp
+        linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        return cls(a, layer.input_layernorm, layer.post_attention_layernorm, *linears, mlp.act_fn,
+                   all(is_skinny(lin) for lin in linears))
 
 
-def _columns(h: torch.Tensor, pad: int) -> torch.Tensor:
-    """The right operand of the skinny W @ h^T: h's rows padded with `pad` zero rows, transposed (a view)."""
-    return (torch.nn.functional.pad(h, (0, 0, 0, pad)) if pad else h).t()
+def _input(x: torch.Tensor, own: bool) -> torch.Tensor:
+    """What a layer's linears take: x itself for their own forward, else its W @ x^T operand."""
+    return x if own else columns(x)
 
 
-def _linear(linear: torch.nn.Module, h: torch.Tensor, h_t: torch.Tensor | None, rows: int) -> torch.Tensor:
-    """linear(h): from `h_t` (`_columns(h, pad)`) as skinny_forward computes it, or the module's own forward."""
-    if h_t is None:
-        return linear.forward(h)
-    y = torch.mm(linear.weight, h_t)
-    y = (y if y.shape[1] == rows else y[:, :rows]).t()
-    return y if linear.bias is None else y + linear.bias
+def _project(linear: torch.nn.Module, x: torch.Tensor, own: bool, rows: int) -> torch.Tensor:
+    """linear(x), from `_input(x, own)`: the module's forward, or skinny_forward's W @ x^T on the shared operand."""
+    return linear.forward(x) if own else times_columns(linear, x, rows)
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -27,22 +27,31 @@ PAD_TO, PAD_FROM = 16, 5
 MIN_WEIGHT = 2 ** 16
 
 
-def skinny_padding(rows: int) -> int:
-    """Zero rows to add to `rows` rows before W @ x^T."""
-    return PAD_TO - rows % PAD_TO if rows >= PAD_FROM and rows % PAD_TO else 0
+def takes_columns(rows: int) -> bool:
+    """Whether a skinny linear computes `rows` rows as W @ x^T now (else F.linear: autograd, or too many rows)."""
+    return 0 < rows <= MAX_ROWS and not torch.is_grad_enabled()
+
+
+def columns(x: torch.Tensor) -> torch.Tensor:
+    """W @ x^T's right operand for x's [rows, in] rows: zero rows padded to a multiple of PAD_TO from PAD_FROM rows
+    on, transposed (a view where nothing is padded). One input's operand serves every linear that reads it."""
+    rows = x.shape[0]
+    pad = PAD_TO - rows % PAD_TO if rows >= PAD_FROM and rows % PAD_TO else 0
+    return (torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x).t()
+
+
+def times_columns(linear: torch.nn.Linear, cols: torch.Tensor, rows: int) -> torch.Tensor:
+    """linear(x) [rows, out] from `columns(x)`: W @ x^T, the padding's columns dropped, transposed, bias added."""
+    y = torch.mm(linear.weight, cols)
+    y = (y if y.shape[1] == rows else y[:, :rows]).t()
+    return y if linear.bias is None else y + linear.bias
 
 
 def skinny_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if not 0 < rows <= MAX_ROWS or torch.is_grad_enabled():
+    if not takes_columns(rows):
         return torch.nn.functional.linear(x, self.weight, self.bias)
-    x2 = x.reshape(rows, x.shape[-1])
-    pad = skinny_padding(rows)
-    if pad:
-        x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad))
-    y = torch.mm(self.weight, x2.t()).t()[:rows]
-    if self.bias is not None:
-        y = y + self.bias
+    y = times_columns(self, columns(x.reshape(rows, x.shape[-1])), rows)
     return y.reshape(*x.shape[:-1], self.weight.shape[0])
 
 
@@ -52,7 +61,7 @@ def is_skinny(linear: torch.nn.Module) -> bool:
 
 
 def use_skinny_linears(model: torch.nn.Module, min_weight: int = MIN_WEIGHT) -> int:
-    """Give each plain fp32 `nn.Linear` of `model` with at least MIN_WEIGHT weights the skinny forward; how many
+    """Give each plain fp32 `nn.Linear` of `model` with at least `min_weight` weights the skinny forward; how many
     got it. Subclasses (quantized, LoRA wrappers) keep their own forward; the plain layers they wrap get this one.
     bf16 layers (rollout.dtype) keep F.linear: oneDNN's bf16 kernels do not repack the weight, and W @ x^T was
     as fast or slower at SmolLM2's shapes (16 rows: 91-103 us against 109-113; 4 rows: 92-106 against 69-75)."""
