@@ -287,9 +287,12 @@ def test_non_finite_loss_skips_the_update_and_keeps_weights(small_cfg):
 def test_consecutive_skipped_updates_stop_the_run_and_keep_every_row(small_cfg, caplog):
     sess = rl.Session(small_cfg("run.tensorboard=false", "train.max_skipped_steps=3"))
     sess.step()
-    # finite in fp32, but the difference of two is not: a group holding both gets NaN advantages (a group of equal
-    # scores, however large, gets exactly 0), and a step's 8 groups of 4 different responses hold both at once
-    sess.set_reward(lambda prompt, response, **_: 3e38 if sum(map(ord, response)) % 2 else -3e38)
+    # an estimator from a cell that goes NaN on a real batch (its two-sample trial passes): every update's loss is NaN
+    @sess.advantage
+    def diverging(rewards_BR, mask_BR, *, group_ids, values_BR=None, cfg):
+        return rewards_BR * (float("nan") if len(group_ids) > 2 else 1.0) * mask_BR, None
+
+    sess.configure("algo.advantage=diverging")
     with pytest.raises(FloatingPointError, match=r"skipped 3 steps in a row \(up to step 4\): non-finite loss"):
         sess.run(10, progress=False)
     assert "step 2: policy: 1 of 1 optimizer step(s) skipped: non-finite loss" in caplog.text

@@ -1,7 +1,7 @@
 """tinker-cookbook's recipes, as published, against `rlbench-nb serve`: the unmodified `tinker` SDK in its own
 environment (tests/tinker_client.py) trains a session's policy over HTTP. sl_loop teaches the chat model the
 built-in arithmetic in rl_loop's own prompt format (its loss must fall), then rl_loop, against the same served
-session, must raise the reward it measures. Cost ~130 s here (2-core EPYC; SL ~40 s, RL ~50 s), plus ~2 min the
+session, must raise the reward it measures. Cost ~130 s here (2-core EPYC; SL ~40 s, RL ~50 s), plus ~1 min the
 first time for the client environment (then reused while tests/tinker-client-constraints.txt is unchanged)."""
 import json
 import os

@@ -205,6 +205,16 @@ def test_the_prepare_metrics_count_the_tied_groups():
     assert m["advantage/abs_max"] == pytest.approx(adv.abs().max().item()) and adv.abs().max() > 0.5
 
 
+def test_rewards_finite_in_fp32_whose_difference_is_not_get_finite_advantages():
+    # +-3e38 fit fp32 (max 3.4e38) but their difference does not: group statistics in fp32 gave inf - inf = NaN
+    # advantages (and a NaN loss); in float64 group a is two against two: +-1/sqrt(4/3) each, Dr. GRPO +-3e38
+    ids = ["a"] * 4 + ["b"] * 2
+    scores = torch.tensor([3e38, -3e38, 3e38, -3e38, 3e38, 3e38])
+    a = 1 / math.sqrt(4 / 3)
+    assert_close(grpo_advantages(scores, ids), torch.tensor([a, -a, a, -a, 0.0, 0.0]))
+    assert torch.equal(grpo_advantages(scores, ids, norm_by_std=False), scores * torch.tensor([1, 1, 1, 1, 0, 0]))
+
+
 @pytest.mark.parametrize("norm_by_std", [True, False])
 def test_grpo_matches_reference_random(norm_by_std):
     rng = random.Random(1)
