@@ -46,8 +46,9 @@ class _Groups:
 
     def shifted(self, scores_B: np.ndarray) -> np.ndarray:
         """Each score minus its group's first one: exactly 0 across a group of equal scores, where a plain
-        sum / n rounds (eight scores of 0.2 sum to 1.6000001 in fp32, so r - mean was 1.5e-8 and, over an
-        std as small, GRPO gave the tie an advantage of 0.015 instead of 0)."""
+        sum / n can round (in fp32, before these sums were float64, eight scores of 0.2 summed to 1.6000001, so
+        r - mean was 1.5e-8 and, over an std as small, GRPO gave the tie an advantage of 0.015 instead of 0;
+        float64 sums of float64 scores round too)."""
         return scores_B - scores_B[self.first][self.index]
 
 
