@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from . import snapshots
 from .config import Config, ConfigError
-from .errors import UsageError
+from .data.batch import Batch
+from .errors import UsageError, expect
 from .guard import deferred_interrupts
 from .metrics.log import MetricsLog
 from .roles import PolicyWorker
 from .rundir import RunDir
 
 if TYPE_CHECKING:
-    from .data.batch import Batch
     from .session import Session
 
 log = logging.getLogger(__name__)
@@ -208,6 +208,7 @@ def adopt(sess: Session, b: Branch) -> None:
     """Continue the main line from the end of branch `b`: its weights, optimizer, RNG, data position and
     settings; its rows join metrics.jsonl (rows the main line wrote after the fork point move to
     metrics.superseded.jsonl)."""
+    expect(b, Branch, "sess.adopt(branch)", "a branch from sess.fork(...) or sess.branch(...)")
     if b.end is None or b.end.released:
         raise UsageError(f"branch '{b.name}' kept no end state (it was released, adopted already, or took no "
                          "step)")
@@ -226,6 +227,7 @@ def adopt(sess: Session, b: Branch) -> None:
 def replay(sess: Session, batch: Batch, overrides=(), name: str = "replay") -> Replay:
     """prepare + update on `batch` (scored first if it has no rewards) on a branch with `overrides`; the
     session comes back untouched. Returns the update's metrics and each parameter's relative change."""
+    expect(batch, Batch, "sess.replay(batch)", "a batch (sess.rollout(), sess.score(...), rl.load_rollouts(file))")
     with branch(sess, name, overrides, keep=False) as b:
         scored = batch if "scores_B" in batch else sess.score(batch)
         row = {"step": sess.step_count + 1, **sess.update(sess.prepare(scored))}

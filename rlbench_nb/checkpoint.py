@@ -30,7 +30,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 # the file rules (checkpoint_files.py); CheckpointError and resolve are also what callers use as checkpoint.X
-from .checkpoint_files import CheckpointError, checkpoint_path, load_tensors, read_json, resolve, write_atomically
+from .checkpoint_files import (
+    CheckpointError,
+    checkpoint_path,
+    load_tensors,
+    read_json,
+    resolve,
+    saved_names,
+    write_atomically,
+)
 from .roles import CriticWorker, PolicyWorker
 from .roles.rollout.base import RolloutWorker
 
@@ -78,14 +86,19 @@ def restore(sess: Session, path: Path) -> None:
 
 
 def locate(run_dir: Path, name: str | Path | None) -> Path:
-    """What `sess.load(name)` means: None, the run directory (its latest checkpoint); a plain name of one of
-    this run's checkpoints, that one (a folder of that name in the working directory does not shadow it);
-    anything else, a folder."""
-    if name is None:
+    """What `sess.load(name)` means: None or "latest", the run directory (its latest checkpoint); a plain name of
+    one of this run's checkpoints, that one (a folder of that name in the working directory does not shadow it);
+    anything else, a folder. Neither: a CheckpointError listing this run's checkpoints."""
+    if name is None or name == "latest":
         return Path(run_dir)
-    if isinstance(name, str) and "/" not in name and (Path(run_dir) / "checkpoints" / name).is_dir():
-        return Path(run_dir) / "checkpoints" / name
-    return Path(name) if Path(name).exists() else checkpoint_path(run_dir, str(name))
+    mine = Path(run_dir) / "checkpoints"
+    if isinstance(name, str) and "/" not in name and (mine / name).is_dir():
+        return mine / name
+    if Path(name).exists():
+        return Path(name)
+    have = saved_names(run_dir)
+    raise CheckpointError(f"no checkpoint {str(name)!r}: this run ({run_dir}) has no checkpoint of that name and "
+                          f"there is no such folder; this run's checkpoints: {have or 'none yet (sess.save())'}")
 
 
 def check_config(path: Path, cfg) -> None:

@@ -138,6 +138,12 @@ def _complete(folder: Path) -> list[Path]:
     return [p for p in folder.iterdir() if not p.name.startswith(".") and (p / "COMPLETE").exists()]
 
 
+def saved_names(run_dir: Path) -> list[str]:
+    """The names of the run's complete checkpoints, sorted."""
+    folder = Path(run_dir) / "checkpoints"
+    return sorted(p.name for p in _complete(folder)) if folder.is_dir() else []
+
+
 def _saved_ns(checkpoint: Path) -> int:
     return (checkpoint / "COMPLETE").stat().st_mtime_ns  # written last inside the folder, just before the rename
 

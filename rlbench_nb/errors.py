@@ -41,6 +41,13 @@ class UsageError(RLBenchError, ValueError):
     that cannot be shipped to the workers): the message says what to pass instead."""
 
 
+def expect(value, cls, call: str, what: str, hint: str = "") -> None:
+    """A UsageError unless `value` is a `cls`: `call` takes `what`, said with what it was given instead (a
+    notebook's wrong variable fails here, not as an AttributeError deep inside)."""
+    if not isinstance(value, cls):
+        raise UsageError(f"{call} takes {what}, got {type(value).__name__}{hint}")
+
+
 class NonFiniteError(RLBenchError, FloatingPointError):
     """Updates skipped for non-finite numbers train.max_skipped_steps steps in a row: the run stops."""
 

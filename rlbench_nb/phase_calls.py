@@ -23,6 +23,7 @@ from .cluster.base import Pending, WorkerGroup, finish_all
 from .cluster.workers import Workers
 from .data.batch import Batch, minibatch_major
 from .determinism import sample_seeds
+from .errors import UsageError, expect
 from .metrics import compute
 from .prompts import PromptCodec, generate_inputs, reward_inputs
 from .roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker, RewardWorker
@@ -120,6 +121,7 @@ def score(workers: Workers, batch: Batch, epoch: int) -> Batch:
     """`batch` with its rewards and their metrics; with a critic, its values computed beside the rewards on
     the critic's own workers (the seed's PPO: critic and reward model score in parallel), kept with the
     weights' `epoch` so prepare reuses them while the weights are the same."""
+    expect(batch, Batch, "sess.score(batch)", "a batch from sess.rollout()")
     m = dict(batch.info.get("metrics", {}))
     with compute.timed(m, "time/score_s"):
         values_call = None if has_current_values(batch, epoch) else start_values(workers, batch)
@@ -144,6 +146,10 @@ def has_current_values(batch: Batch, epoch: int) -> bool:
 def prepare(workers: Workers, batch: Batch, cfg, *, kl_coef: float, epoch: int, reuse: bool) -> Batch:
     """Old log-probs (policy), reference log-probs and KL, values (critic), advantages and returns, with
     prepare's metrics. `reuse`: the old log-probs come from the update's own forward (reuses_logprobs)."""
+    expect(batch, Batch, "sess.prepare(batch)", "a batch from sess.score(...)")
+    if "scores_B" not in batch:
+        raise UsageError("prepare(batch) needs a scored batch (its advantages come from the rewards): "
+                         "sess.prepare(sess.score(batch))")
     m = dict(batch.info.get("metrics", {}))
     t0 = time.perf_counter()
     off_policy = batch.info.get("off_policy")
@@ -239,6 +245,20 @@ def start_forwards(workers: Workers, batch: Batch, *, logprobs: bool, reference:
     if values:
         calls["critic"] = submit(workers, "critic", CriticWorker.compute_values, batch)
     return calls
+
+
+def greedy(cfg, max_new_tokens: int | None, positions: int | None):
+    """An evaluation's sampling: one greedy response per prompt, up to `max_new_tokens` (None: rollout's), which
+    after prompts of data.max_prompt_len tokens must fit in the model's `positions` where they are known."""
+    if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
+                                       or max_new_tokens < 1):
+        raise UsageError(f"max_new_tokens={max_new_tokens!r}: a whole number of tokens, 1 or more (None: "
+                         f"rollout.max_new_tokens, {cfg.rollout.max_new_tokens})")
+    prompt_len = cfg.data.max_prompt_len
+    if max_new_tokens and positions and prompt_len + max_new_tokens > positions:
+        raise UsageError(f"max_new_tokens={max_new_tokens} after prompts of up to data.max_prompt_len={prompt_len} "
+                         f"tokens is more than the model's {positions} positions: at most {positions - prompt_len}")
+    return cfg.rollout.greedy(max_new_tokens)
 
 
 def evaluate(workers: Workers, prompts: PromptCodec, rows: list[dict], params, env_cls) -> tuple[Batch, dict]:

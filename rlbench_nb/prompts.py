@@ -15,6 +15,7 @@ import torch
 
 from .config import ConfigError, DataConfig
 from .data.batch import Batch
+from .data.datasets import given_rows
 
 TOKENIZER_CLASS_FILE = "tokenizer_class.json"  # in a run directory: the class AutoTokenizer chose for its model
 MEMO_TOKENS = 32_000_000  # prompt tokens PromptCodec keeps (4 bytes each: 128 MB at most; GSM8K's train set is ~1M)
@@ -97,6 +98,12 @@ class PromptCodec:
     def max_chars_per_token(self) -> int:
         """The longest token's length in characters: a text of N characters has at least N / this tokens."""
         return max(map(len, self.tokenizer.get_vocab()), default=1)
+
+    def given(self, rows, what: str) -> list[dict]:
+        """Rows a caller hands a phase (`sess.rollout(rows)`), checked as a dataset's rows are, strictly
+        (datasets.given_rows): a DatasetError naming each bad row, before any worker runs."""
+        return given_rows(rows, self.data.prompt_key, self.data.max_prompt_len, lambda p: len(self._ids(p)), what,
+                          self.max_chars_per_token)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """The prompt's token ids, wrapped in the tokenizer's chat template when it has one (data.chat_template)."""

@@ -57,8 +57,11 @@ class RunControl:
         return not self.stopped
 
 
-def check_run_args(cfg, async_rollout: bool, max_staleness, on_failure: str) -> None:
+def check_run_args(cfg, async_rollout: bool, max_staleness, on_failure: str, steps=None) -> None:
     """`Session.run`'s arguments, refused before anything runs."""
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 0):
+        raise UsageError(f"steps={steps!r}: a whole number of steps to take past this one, 0 or more (None: "
+                         f"run.steps, {cfg.run.steps})")
     if on_failure not in ("raise", "restore"):
         raise UsageError(f"on_failure={on_failure!r}: use 'raise' or 'restore'")
     if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
@@ -103,7 +106,7 @@ def run(sess: Session, steps: int | None = None, *, progress: bool = True, async
     failure cut runs again. A fault that comes back 3 times before the run gets past it is raised.
     Metric rows past the restored step move to metrics.superseded.jsonl; no checkpoint is touched.
     """
-    check_run_args(sess.cfg, async_rollout, max_staleness, on_failure)
+    check_run_args(sess.cfg, async_rollout, max_staleness, on_failure, steps)
     if sess.background is not None:
         sess.background.raise_error()  # a background run's failure surfaces at the next run()
     sess.guard.check("run")  # closed, needs re-sync, or another run's: said before the state says "running"

@@ -211,6 +211,7 @@ class Session:
             draw = ("train", self.progress.sampler.state_dict())  # the data position: one draw's, whatever came before
             rows = [self.train_data.rows[i] for i in self.progress.sampler.next_indices()]
         else:
+            rows = self.prompts.given(rows, "sess.rollout(rows)")
             draw = ("rows", self.step_count, [r["prompt"] for r in rows])  # what encode reads
         batch = self.prompts.encode(rows, self.cfg.rollout.n, tag=f"s{self.step_count}")
         return phase_calls.start_rollout(self.workers, batch, self.cfg, self._env_cls, draw)
@@ -248,7 +249,7 @@ class Session:
     def update(self, batch: Batch) -> dict:
         """Critic and policy optimizer steps on `batch`, then the weights to the rollout engine. Ends the
         step: one metrics row (returned), written everywhere, and the step count moves."""
-        if "advantages_BR" not in batch:
+        if not isinstance(batch, Batch) or "advantages_BR" not in batch:
             raise UsageError("update(batch) needs a prepared batch: call sess.prepare(sess.score(batch)) first")
         if ("old_logprobs_BR" not in batch and not batch.info.get("off_policy")
                 and (batch.info.get("logprobs_epoch") != self.guard.epoch or not self._reuses_logprobs())):
@@ -342,9 +343,10 @@ class Session:
         in rollouts/eval_step_N.jsonl; `eval/accuracy` is the share scoring the maximum 1.0. With an
         environment (env.fn), greedy episodes scored by it; `eval/tool_use`: the share that called a tool."""
         with self._phase("evaluate"):
-            rows = rows if rows is not None else self.test_data.rows
+            rows = self.test_data.rows if rows is None else self.prompts.given(rows, "sess.evaluate(rows)")
             batch, result = phase_calls.evaluate(self.workers, self.prompts, rows,
-                                                 self.cfg.rollout.greedy(max_new_tokens), self._env_cls)
+                                                 phase_calls.greedy(self.cfg, max_new_tokens, self.task.max_positions),
+                                                 self._env_cls)
             if batch is not None:
                 self.rundir.write_rollouts(batch, self.step_count, "eval_step")
             result = {"step": self.step_count, **result}

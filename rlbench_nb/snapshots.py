@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import RLBenchError, disk_full, free_bytes
+from .errors import RLBenchError, disk_full, expect, free_bytes
 from .roles.rollout.base import RolloutWorker
 from .roles.snapshots import SnapshotHolder
 
@@ -117,6 +117,8 @@ def _let_go(sess: Session, key: str, path: Path | None) -> None:
 def restore(sess: Session, snap: Snapshot, history: bool = True) -> None:
     """Bring `sess` back to `snap`. `history`: rows written since move to metrics.superseded.jsonl (as a
     checkpoint load does); a branch, which wrote its rows elsewhere, passes False."""
+    expect(snap, Snapshot, "sess.restore(snap)", "a snapshot from sess.snapshot()",
+           "; a checkpoint is sess.load(name)" if isinstance(snap, (str, Path)) else "")
     if snap.released or snap._session is not sess:
         raise SnapshotError(f"{snap!r} cannot be restored: it was released, or belongs to another session")
     for role, pids in snap.holders.items():

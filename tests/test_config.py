@@ -150,3 +150,15 @@ def test_nested_sections_take_dotted_overrides_and_name_typos():
     with pytest.raises(ConfigError, match="model.lora.r"):
         Config.load(None, ["model.lora.r=-1"])
     assert "model.lora.target_modules" in help_text()
+
+
+def test_run_refuses_a_step_count_that_is_not_a_whole_number_before_anything_runs():
+    """sess.run(steps=-1) evaluated twice and saved a checkpoint for no step; run(steps="5") failed deep inside."""
+    from rlbench_nb.errors import UsageError
+    from rlbench_nb.runner import check_run_args
+    cfg = Config.load(None, [])
+    for steps in (-1, "5", 2.5, True):
+        with pytest.raises(UsageError, match=rf"steps={steps!r}: a whole number of steps.*0 or more \(None: run.steps"):
+            check_run_args(cfg, False, 1, "raise", steps)
+    for steps in (None, 0, 3):
+        check_run_args(cfg, False, 1, "raise", steps)

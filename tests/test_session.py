@@ -237,7 +237,37 @@ def test_bad_dataset_and_config_fail_before_touching_the_run(small_cfg, tmp_path
     with pytest.raises(rl.ConfigError, match=r"rollout.max_new_tokens = \d+ tokens, more than the model's \d+ "
                                              r"positions \(max_position_embeddings in .*\): lower them"):
         rl.Session(small_cfg("rollout.max_new_tokens=100000"), run_dir=run_dir)
+    # rows handed to a phase, an unscored batch, a checkpoint name the run lacks: refused before a worker runs
+    with pytest.raises(DatasetError, match=r"sess.rollout\(rows\): rows\[1\]: missing field 'prompt' \(fields: "
+                                           r"\['promt'\]\); rows\[2\]: has a field named 'group'.*e.g. \[\{'prompt'"):
+        sess.rollout([{"prompt": "1+1="}, {"promt": "2+2="}, {"prompt": "3+3=", "group": "easy"}])
+    with pytest.raises(DatasetError, match=r"sess.evaluate\(rows\): rows\[0\]: prompt has \d+ characters: more than "
+                                           r"data.max_prompt_len=\d+ tokens can hold"):
+        sess.evaluate([{"prompt": "1+1=" * 1000, "answer": "2"}])
+    with pytest.raises(DatasetError, match=r"sess.rollout\(rows\) takes a list of rows.*got dict"):
+        sess.rollout({"prompt": "1+1="})
+    with pytest.raises(rl.UsageError, match=r"needs a scored batch.*sess.prepare\(sess.score\(batch\)\)"):
+        sess.prepare(sess.rollout([{"prompt": "1+1=", "answer": "2"}]))
+    with pytest.raises(rl.CheckpointError, match=r"no checkpoint 'kept_not'.*this run's checkpoints: \['kept'\]"):
+        sess.load("kept_not")
+    wrong = {  # a notebook's wrong variable: named with what to pass, not an AttributeError deep inside
+        r"sess.score\(batch\) takes a batch from sess.rollout\(\), got list": lambda: sess.score([1, 2]),
+        r"sess.restore\(snap\) takes a snapshot.*got str; a checkpoint is sess.load": lambda: sess.restore("kept"),
+        r"sess.replay\(batch\) takes a batch.*got int": lambda: sess.replay(42),
+        r"sess.adopt\(branch\) takes a branch from sess.fork": lambda: sess.adopt("kept"),
+        r"sess.compare takes branches .* or replays .*got int": lambda: sess.compare(1),
+        r"max_new_tokens=0: a whole number of tokens, 1 or more": lambda: sess.evaluate(max_new_tokens=0),
+        r"max_new_tokens=100000 .* more than the model's \d+ positions: at most \d+":
+            lambda: sess.evaluate(max_new_tokens=100_000),
+        r"steps='5': a whole number of steps": lambda: sess.run("5"),
+    }
+    for message, call in wrong.items():
+        with pytest.raises(rl.UsageError, match=message):
+            call()
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == written
+    sess.step()
+    assert sess.load("latest").step_count == 1  # "latest" is the run's latest checkpoint, as None is
+    sess.close()
 
 
 def test_jsonl_dataset_with_some_bad_rows_trains(small_cfg, tmp_path):

@@ -11,7 +11,7 @@ import gzip
 import json
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,38 +140,13 @@ def validate_rows(numbered: list[tuple[int, object]], prompt_key: str, max_promp
     problems = list(problems or [])
     good = []
     for n, row in numbered:
-        if not isinstance(row, dict):
-            problems.append(RowProblem(n, f"expected a JSON object, got {type(row).__name__}"))
-            continue
-        clash = sorted(RESERVED_FIELDS & set(row) - {prompt_key})
-        if clash:
-            raise DatasetError(f"{source}: row {n} has a field named '{clash[0]}', which rlbench-nb's phases use for "
-                               f"their own results (reserved: {sorted(RESERVED_FIELDS)}): rename it in the file, "
-                               f"e.g. to '{clash[0]}_'")
-        if prompt_key not in row:
-            problems.append(RowProblem(n, f"missing field '{prompt_key}' (fields: {sorted(row)[:6]})"))
-            continue
-        prompt = row[prompt_key]
-        if not isinstance(prompt, str):
-            problems.append(RowProblem(n, f"'{prompt_key}' must be a string, got {type(prompt).__name__}"))
-            continue
-        if not prompt.strip():
-            problems.append(RowProblem(n, f"empty '{prompt_key}'"))
-            continue
-        if max_chars_per_token and len(prompt) > max_prompt_len * max_chars_per_token:
-            problems.append(RowProblem(n, f"prompt has {len(prompt)} characters: more than "
-                                          f"data.max_prompt_len={max_prompt_len} tokens can hold"))
-            continue
-        try:
-            prompt.encode("utf-8")
-            n_tok = count_tokens(prompt)
-        except (UnicodeError, TypeError, ValueError) as e:  # e.g. a lone surrogate such as "\\ud800"
-            problems.append(RowProblem(n, f"prompt cannot be tokenised ({type(e).__name__}: {str(e)[:80]})"))
-            continue
-        if n_tok > max_prompt_len:
-            problems.append(RowProblem(n, f"prompt has {n_tok} tokens > data.max_prompt_len={max_prompt_len}"))
-            continue
-        good.append({**row, "prompt": prompt} if prompt_key != "prompt" else row)
+        checked = _check_row(row, prompt_key, max_prompt_len, count_tokens, max_chars_per_token)
+        if isinstance(checked, ReservedField):
+            raise DatasetError(f"{source}: row {n} {checked}")
+        if isinstance(checked, str):
+            problems.append(RowProblem(n, checked))
+        else:
+            good.append(checked)
     ds = PromptDataset(good, source, sorted(problems, key=lambda p: p.row))
     if problems:
         log.warning("%s", ds.report())
@@ -179,6 +154,67 @@ def validate_rows(numbered: list[tuple[int, object]], prompt_key: str, max_promp
         raise DatasetError(f"{ds.report()} — no usable rows left; fix the file or data.prompt_key / "
                            "data.max_prompt_len")
     return ds
+
+
+def given_rows(rows, prompt_key: str, max_prompt_len: int, count_tokens: Callable[[str], int], what: str,
+               max_chars_per_token: int | None = None) -> list[dict]:
+    """Rows a caller hands a phase directly (`sess.rollout(rows)`, `sess.evaluate(rows)`), checked as a file's
+    rows are (their prompt under `prompt_key` or "prompt"), but strictly: a row a file would skip is an error
+    here, every bad row named by its index, before any worker runs — the caller chose each one."""
+    example = f"[{{'{prompt_key}': 'What is 2 + 3?'}}]"
+    if isinstance(rows, (str, bytes, dict)) or not isinstance(rows, Iterable):
+        raise DatasetError(f"{what} takes a list of rows, each a dict with a '{prompt_key}' string, e.g. {example}; "
+                           f"got {type(rows).__name__}")
+    rows = list(rows)
+    if not rows:
+        raise DatasetError(f"{what} got no rows: give at least one, e.g. {example}, or none (rows=None) for the "
+                           "run's own prompts")
+    good, bad = [], []
+    for i, row in enumerate(rows):
+        key = "prompt" if isinstance(row, dict) and "prompt" in row and prompt_key not in row else prompt_key
+        checked = _check_row(row, key, max_prompt_len, count_tokens, max_chars_per_token)
+        if isinstance(checked, str):  # a ReservedField too: its text says what to rename
+            bad.append(f"rows[{i}]: {checked}")
+        else:
+            good.append(checked)
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise DatasetError(f"{what}: {'; '.join(bad[:3])}{more}. Each row is a dict with a '{prompt_key}' string of "
+                           f"at most data.max_prompt_len={max_prompt_len} tokens, e.g. {example}")
+    return good
+
+
+class ReservedField(str):
+    """`_check_row`'s answer for a row with a field the phases use themselves: an error even where a file's bad
+    rows are skipped (the file must be changed, not a row dropped)."""
+
+
+def _check_row(row, prompt_key: str, max_prompt_len: int, count_tokens: Callable[[str], int],
+               max_chars_per_token: int | None) -> dict | str:
+    """The row as the phases read it (its prompt under "prompt"), or why it cannot be used."""
+    if not isinstance(row, dict):
+        return f"expected a dict (a JSON object), got {type(row).__name__}"
+    clash = sorted(RESERVED_FIELDS & set(row) - {prompt_key})
+    if clash:
+        return ReservedField(f"has a field named '{clash[0]}', which rlbench-nb's phases use for their own results "
+                             f"(reserved: {sorted(RESERVED_FIELDS)}): rename it, e.g. to '{clash[0]}_'")
+    if prompt_key not in row:
+        return f"missing field '{prompt_key}' (fields: {sorted(row)[:6]})"
+    prompt = row[prompt_key]
+    if not isinstance(prompt, str):
+        return f"'{prompt_key}' must be a string, got {type(prompt).__name__}"
+    if not prompt.strip():
+        return f"empty '{prompt_key}'"
+    if max_chars_per_token and len(prompt) > max_prompt_len * max_chars_per_token:
+        return f"prompt has {len(prompt)} characters: more than data.max_prompt_len={max_prompt_len} tokens can hold"
+    try:
+        prompt.encode("utf-8")
+        n_tok = count_tokens(prompt)
+    except (UnicodeError, TypeError, ValueError) as e:  # e.g. a lone surrogate such as "\\ud800"
+        return f"prompt cannot be tokenised ({type(e).__name__}: {str(e)[:80]})"
+    if n_tok > max_prompt_len:
+        return f"prompt has {n_tok} tokens > data.max_prompt_len={max_prompt_len}"
+    return {**row, "prompt": prompt} if prompt_key != "prompt" else row
 
 
 class PromptSampler:

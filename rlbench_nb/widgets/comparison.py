@@ -28,6 +28,10 @@ class Comparison:
         from ..errors import UsageError
         if not runs:
             raise UsageError("compare what? pass branches (sess.fork / sess.branch) or replays (sess.replay)")
+        for r in runs:
+            if not (hasattr(r, "name") and hasattr(r, "curve")):
+                raise UsageError(f"sess.compare takes branches (sess.fork / sess.branch) or replays (sess.replay), "
+                                 f"got {type(r).__name__}")
         self.runs, self.last = runs, last
         names = [r.name for r in runs]
         if len(set(names)) != len(names):

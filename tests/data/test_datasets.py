@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from rlbench_nb.data.datasets import DatasetError, PromptSampler, read_rows, validate_rows
+from rlbench_nb.data.datasets import DatasetError, PromptSampler, given_rows, read_rows, validate_rows
 
 
 def count_chars(s):
@@ -106,3 +106,30 @@ def test_a_row_field_that_clashes_with_the_phases_is_refused_naming_it(tmp_path)
     rows = [(1, {"prompt": "1+1=", "group": "easy"})]
     with pytest.raises(DatasetError, match=r"f.jsonl: row 1 has a field named 'group'.*rename it"):
         validate_rows(rows, "prompt", 10, count_chars, "f.jsonl")
+
+
+def test_rows_given_to_a_phase_are_checked_strictly_and_named_by_index():
+    """A file's bad rows are skipped; rows a caller hands sess.rollout / sess.evaluate are each chosen, so one bad
+    row refuses the call, naming it by its index and saying what a row is."""
+    good = {"prompt": "1+1=", "answer": "2"}
+    assert given_rows([good, {"prompt": "2+2="}], "prompt", 10, count_chars, "f(rows)") == [good, {"prompt": "2+2="}]
+    assert given_rows(({"q": "1+1="},), "q", 10, count_chars, "f(rows)") == [{"q": "1+1=", "prompt": "1+1="}]
+    assert given_rows([{"prompt": "1+1="}], "q", 10, count_chars, "f(rows)") == [{"prompt": "1+1="}]  # a row as loaded
+    cases = {
+        "takes a list of rows, each a dict with a 'prompt' string.*got dict": {"prompt": "1+1="},
+        "takes a list of rows.*got str": "1+1=",
+        "takes a list of rows.*got int": 3,
+        r"got no rows: give at least one.*or none \(rows=None\)": [],
+        r"rows\[1\]: expected a dict \(a JSON object\), got str": [good, "1+1="],
+        r"rows\[0\]: missing field 'prompt' \(fields: \['promt'\]\)": [{"promt": "1+1="}],
+        r"rows\[0\]: 'prompt' must be a string, got int": [{"prompt": 12}],
+        r"rows\[0\]: empty 'prompt'": [{"prompt": "  "}],
+        r"rows\[0\]: prompt has 11 tokens > data.max_prompt_len=10": [{"prompt": "x" * 11}],
+        r"rows\[0\]: has a field named 'group'.*rename it, e.g. to 'group_'": [{"prompt": "1+1=", "group": "a"}],
+        r"rows\[0\]: .*; rows\[1\]: .*; rows\[2\]: .* \(and 2 more\)\. Each row is": [{"x": i} for i in range(5)],
+    }
+    for pattern, rows in cases.items():
+        with pytest.raises(DatasetError, match=r"^f\(rows\)[ :].*" + pattern):
+            given_rows(rows, "prompt", 10, count_chars, "f(rows)")
+    with pytest.raises(DatasetError, match=r"rows\[0\]: missing field 'q'.*a dict with a 'q' string"):
+        given_rows([{"question": "1+1="}], "q", 10, count_chars, "f(rows)")
