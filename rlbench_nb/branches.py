@@ -45,27 +45,27 @@ FIXED_FIELDS = ("data.train_path", "data.test_path", "data.prompt_key", "data.ma
                 "data.chat_template", "data.shuffle", "run.dir", "run.name", "run.seed")
 
 
-def variant(cfg: Config, overrides) -> Config:
-    """`cfg` with a branch's overrides, refused (ConfigError naming the key) where they would change the
-    model's shapes, the roles, the cluster or the data."""
+def variant(cfg: Config, overrides, who: str = "a branch") -> Config:
+    """`cfg` with a branch's overrides, refused (ConfigError naming the key and `who` asked) where they would
+    change the model's shapes, the roles, the cluster or the data."""
     new = cfg.override(*overrides)
     old_d, new_d = cfg.to_dict(), new.to_dict()
     for section in FIXED_SECTIONS:
         if old_d[section] != new_d[section]:
             key = next(f"{section}.{k}" for k in new_d[section] if new_d[section][k] != old_d[section].get(k))
-            raise ConfigError(f"a branch cannot change '{key}': it shares this session's workers and model; "
+            raise ConfigError(f"{who} cannot change '{key}': it shares this session's workers and model; "
                               "start another session for that")
     for dotted in FIXED_FIELDS:
         section, key = dotted.split(".")
         if old_d[section][key] != new_d[section][key]:
-            raise ConfigError(f"a branch cannot change '{dotted}': the main line's data position and files "
-                              "are what a branch starts from")
+            raise ConfigError(f"{who} cannot change '{dotted}': the main line's data position and files "
+                              "are what a branch starts from, and stay the run's")
     for role, uses in (("critic", "uses_critic"), ("reference", "uses_reference")):
         if role == "reference" and cfg.model.lora.r:
             continue  # the LoRA policy is its own reference (adapters off): any branch may turn KL on
         if getattr(cfg, uses) != getattr(new, uses):
-            need = "needs" if getattr(new, uses) else "does not use"
-            raise ConfigError(f"the branch's settings {need} a {role} model, and this session "
+            need = "need" if getattr(new, uses) else "do not use"
+            raise ConfigError(f"{who} asks for settings that {need} a {role} model, and this session "
                               f"{'has' if getattr(cfg, uses) else 'has no'} {role} workers: a branch keeps the "
                               "session's roles (start the session with settings that use the role, e.g. "
                               "algo.kl_coef > 0 for a reference)")

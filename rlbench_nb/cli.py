@@ -276,9 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     commands = {"train": train, "export": export, "report": report, "weights": weights, "kernel": kernel, "data": data,
                 "doctor": doctor, "serve": serve, "up": up, "down": down}
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+    if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        return 0
+    if argv[0] not in commands:
+        import difflib
+        near = difflib.get_close_matches(argv[0], commands, n=1)
+        print(f"rlbench-nb: unknown command '{argv[0]}'" + (f" (did you mean '{near[0]}'?)" if near else "")
+              + f"; the commands: {', '.join(commands)} (rlbench-nb --help shows each)", file=sys.stderr)
+        return 2
     try:
         return commands[argv[0]](argv[1:])
     except RLBenchError as e:  # explained problems: one line; anything else is a bug and keeps its traceback

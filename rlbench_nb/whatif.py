@@ -86,7 +86,7 @@ def configure(self: Session, *overrides: str) -> Config:
     """Change settings of the main line from here on (`"train.lr=1e-4"`, `"algo.advantage=my_fn"`): the
     same changes a branch may make (branches.variant); written to the run's config.yaml."""
     from .branches import variant
-    cfg = variant(self.cfg, overrides)
+    cfg = variant(self.cfg, overrides, "sess.configure")
     with self._phase("configure"):
         self.apply_config(cfg)
         self.rundir.write_config(cfg)

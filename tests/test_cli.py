@@ -26,6 +26,24 @@ def test_config_typo_is_one_line_and_exit_2(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing started, nothing written
 
 
+def test_an_unknown_command_or_port_is_one_line_and_exit_2(capsys):
+    """`rlbench-nb trian` printed the whole help with no word of what was wrong; `serve --port 99999999` served on
+    port 57599 (uvicorn wraps it)."""
+    import pytest
+
+    from rlbench_nb.cli import main
+    from rlbench_nb.errors import UsageError
+    from rlbench_nb.serve import TinkerServer
+    assert main(["trian", "configs/arith_grpo.yaml"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.strip() == ("rlbench-nb: unknown command 'trian' (did you mean 'train'?); the "
+                                                 "commands: train, export, report, weights, kernel, data, doctor, "
+                                                 "serve, up, down (rlbench-nb --help shows each)")
+    for port in (99999999, -1, "8000"):
+        with pytest.raises(UsageError, match=rf"port={port!r}: a TCP port, 1-65535 \(0: a free one\)"):
+            TinkerServer(None, port=port)
+
+
 # Cost ~24 s: two `rlbench-nb train` subprocesses (each imports torch and transformers); the only end-to-end check of
 # --resume.
 def test_train_then_resume(tmp_path):

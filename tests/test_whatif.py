@@ -111,12 +111,16 @@ def test_a_branch_refuses_what_would_change_shapes_roles_or_data(small_cfg, tmp_
     with rl.Session(small_cfg("run.tensorboard=false"), run_dir=tmp_path / "run") as sess:
         with pytest.raises(rl.ConfigError, match="a branch cannot change 'model.dtype'"):
             sess.fork("x", 1, "model.dtype=bfloat16")
-        with pytest.raises(rl.ConfigError, match="needs a reference model, and this session has no reference"):
+        with pytest.raises(rl.ConfigError, match="a branch asks for settings that need a reference model, and this"):
             sess.fork("x", 1, "algo.kl_coef=0.1")
         with pytest.raises(rl.ConfigError, match="a branch cannot change 'data.train_path'"):
             sess.fork("x", 1, "data.train_path=other.jsonl")
         with pytest.raises(rl.UsageError, match="branch name '../x' is not allowed"):
             sess.fork("../x", 1)
+        with pytest.raises(rl.ConfigError, match="sess.configure cannot change 'model.dtype'"):  # not "a branch"
+            sess.configure("model.dtype=bfloat16")
+        with pytest.raises(rl.UsageError, match=r"rows=0: how many training prompts to check, 1 or more"):
+            sess.doctor(rows=0)
         assert sess.step_count == 0 and sess.state == "ready" and not sess.branches
 
 
