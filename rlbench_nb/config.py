@@ -587,7 +587,7 @@ class Config(_Section):
     @classmethod
     def from_dict(cls, data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
         data = _deep_copy(data or {})
-        for item in overrides:
+        for item in [overrides] if isinstance(overrides, str) else overrides:  # one 'key=value' given alone
             _apply_override(data, item)
         try:
             return cls.model_validate(data)
@@ -622,7 +622,7 @@ class Config(_Section):
     def of(cls, cfg: Config | str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
         """A Config as a Session takes it: a Config (`overrides` applied), or a YAML path (None: defaults)."""
         if isinstance(cfg, Config):
-            return cfg.override(*overrides) if overrides else cfg
+            return cls.from_dict(cfg.to_dict(), overrides) if overrides else cfg
         return cls.load(cfg, overrides)
 
     def override(self, *overrides: str) -> Config:

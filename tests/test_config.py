@@ -162,3 +162,11 @@ def test_run_refuses_a_step_count_that_is_not_a_whole_number_before_anything_run
             check_run_args(cfg, False, 1, "raise", steps)
     for steps in (None, 0, 3):
         check_run_args(cfg, False, 1, "raise", steps)
+
+
+def test_one_override_given_as_a_string_is_one_override():
+    """rl.Session(path, "algo.kl_coef=0.1") read the string's characters as overrides: "override 'a' must look like
+    key=value"."""
+    assert Config.load(None, "algo.kl_coef=0.25").algo.kl_coef == 0.25
+    assert Config.of(Config.load(None), "train.lr=0.5").train.lr == 0.5
+    assert Config.of(Config.load(None), ["train.lr=0.5", "algo.kl_coef=0.25"]).algo.kl_coef == 0.25
