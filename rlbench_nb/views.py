@@ -3,15 +3,16 @@ notebook. Methods written here and bound on `Session` (`dashboard = views.dashbo
 only when asked for (the controller runs without ipywidgets and plotly imported)."""
 from __future__ import annotations
 
+import os
 from html import escape
 from typing import TYPE_CHECKING
 
+from .data.batch import Batch
 from .errors import UsageError
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from .data.batch import Batch
     from .session import Session
 
 
@@ -19,6 +20,8 @@ def dashboard(self: Session, max_points: int = 500):
     """Live widget: reward, accuracy, length, KL, entropy, losses, clipping, grad norm, throughput,
     memory, and a phase timeline; Pause / Resume / Stop buttons for background runs."""
     from .widgets import Dashboard
+    if not isinstance(max_points, int) or isinstance(max_points, bool) or max_points < 2:
+        raise UsageError(f"max_points={max_points!r}: how many points each curve keeps, 2 or more (default 500)")
     return Dashboard(self, max_points=max_points)
 
 
@@ -37,6 +40,9 @@ def inspect(self: Session, batch: Batch | str | Path | None = None):
         if not files:
             raise UsageError("no batch given and no saved rollouts yet in this run (run.save_rollouts_every)")
         batch = files[-1]
+    if not isinstance(batch, (Batch, str, os.PathLike)):
+        raise UsageError(f"sess.inspect takes a batch (sess.rollout(), sess.score(...)) or a rollouts file, got "
+                         f"{type(batch).__name__}")
     return Inspector(batch, tokenizer=self.tokenizer)
 
 

@@ -260,6 +260,8 @@ def test_bad_dataset_and_config_fail_before_touching_the_run(small_cfg, tmp_path
         r"max_new_tokens=100000 .* more than the model's \d+ positions: at most \d+":
             lambda: sess.evaluate(max_new_tokens=100_000),
         r"steps='5': a whole number of steps": lambda: sess.run("5"),
+        r"sess.inspect takes a batch .* or a rollouts file, got int": lambda: sess.inspect(3),
+        r"max_points=0: how many points each curve keeps, 2 or more": lambda: sess.dashboard(max_points=0),
     }
     for message, call in wrong.items():
         with pytest.raises(rl.UsageError, match=message):

@@ -38,6 +38,14 @@ class Comparison:
             raise UsageError(f"runs to compare need distinct names, got {names}")
         wanted = metrics or DEFAULT_METRICS
         self.metrics = [m for m in wanted if any(r.curve(m)[1] for r in runs)]
+        missing = [m for m in metrics or () if m not in self.metrics]  # asked for by name: a typo is said
+        if missing:
+            import difflib
+            known = sorted({k for r in runs for row in [*getattr(r, "history", ()), *getattr(r, "evals", ()),
+                                                          getattr(r, "row", {})] for k in row} - {"step"})
+            near = difflib.get_close_matches(missing[0], known, n=1)
+            raise UsageError(f"no run to compare has metric '{missing[0]}'" + (f" (did you mean '{near[0]}'?)" if near
+                             else "") + f"; they have: {', '.join(known[:30])}{' ...' if len(known) > 30 else ''}")
 
     def table(self) -> list[dict]:
         """One row per metric: each run's value, and each later run's difference from the first."""
