@@ -58,15 +58,15 @@ def variant(cfg: Config, overrides, who: str = "a branch") -> Config:
     for dotted in FIXED_FIELDS:
         section, key = dotted.split(".")
         if old_d[section][key] != new_d[section][key]:
-            raise ConfigError(f"{who} cannot change '{dotted}': the main line's data position and files "
-                              "are what a branch starts from, and stay the run's")
+            raise ConfigError(f"{who} cannot change '{dotted}': the run's data position and files are read "
+                              "with it (a branch starts from the main line's); start another session for that")
     for role, uses in (("critic", "uses_critic"), ("reference", "uses_reference")):
         if role == "reference" and cfg.model.lora.r:
             continue  # the LoRA policy is its own reference (adapters off): any branch may turn KL on
         if getattr(cfg, uses) != getattr(new, uses):
             need = "need" if getattr(new, uses) else "do not use"
             raise ConfigError(f"{who} asks for settings that {need} a {role} model, and this session "
-                              f"{'has' if getattr(cfg, uses) else 'has no'} {role} workers: a branch keeps the "
+                              f"{'has' if getattr(cfg, uses) else 'has no'} {role} workers: {who} keeps the "
                               "session's roles (start the session with settings that use the role, e.g. "
                               "algo.kl_coef > 0 for a reference)")
     return new

@@ -89,13 +89,15 @@ def locate(run_dir: Path, name: str | Path | None) -> Path:
     """What `sess.load(name)` means: None or "latest", the run directory (its latest checkpoint); a plain name of
     one of this run's checkpoints, that one (a folder of that name in the working directory does not shadow it);
     anything else, a folder. Neither: a CheckpointError listing this run's checkpoints."""
-    if name is None or name == "latest":
+    if name is None or str(name) == "latest":
         return Path(run_dir)
     mine = Path(run_dir) / "checkpoints"
     if isinstance(name, str) and "/" not in name and (mine / name).is_dir():
         return mine / name
     if Path(name).exists():
         return Path(name)
+    if len(Path(name).parts) == 1 and (mine / Path(name).name).is_dir():  # Path("step_1"), no such folder here
+        return mine / Path(name).name
     have = saved_names(run_dir)
     raise CheckpointError(f"no checkpoint {str(name)!r}: this run ({run_dir}) has no checkpoint of that name and "
                           f"there is no such folder; this run's checkpoints: {have or 'none yet (sess.save())'}")

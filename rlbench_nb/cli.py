@@ -204,6 +204,13 @@ def doctor(argv: list[str]) -> int:
     return 0 if report.ok else 1
 
 
+def _port(text: str) -> int:
+    """--port's value, checked before the session starts (uvicorn would wrap 99999999 to 57599)."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: 1-65535, or 0 for a free one")
+    return int(text)
+
+
 def serve(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rlbench-nb serve", description="Start a session on CONFIG and serve it over the "
                                 "Tinker API (the tinker SDK and tinker-cookbook recipes train its policy and sample "
@@ -211,7 +218,7 @@ def serve(argv: list[str]) -> int:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: a free one; default 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="port (0: a free one; default 8000)")
     p.add_argument("--api-key", help="the key clients must send (tml-...); default: a new random one")
     args = p.parse_args(argv)
     import time

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .config import Config
-from .errors import RLBenchError, UsageError
+from .errors import RLBenchError, UsageError, is_count
 
 if TYPE_CHECKING:
     from .session import Session
@@ -86,7 +86,7 @@ class Report:
 def examine(sess: Session, rows: int = 4) -> Report:
     """Run every check on `rows` training prompts (the first ones: the data position does not move)."""
     from .branches import branch, branch_dir
-    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+    if not is_count(rows, 1):
         raise UsageError(f"rows={rows!r}: how many training prompts to check, 1 or more (default 4)")
     t0 = time.perf_counter()
     data = sess.train_data.rows[:rows]

@@ -13,6 +13,7 @@ The subclasses live beside the code that raises them; the ones with no better ho
 from __future__ import annotations
 
 import errno
+import numbers
 import shutil
 from pathlib import Path
 
@@ -39,6 +40,12 @@ class BackgroundRunError(RLBenchError, RuntimeError):
 class UsageError(RLBenchError, ValueError):
     """A call that cannot be done as asked (an unprepared batch, an unknown role or column, a function
     that cannot be shipped to the workers): the message says what to pass instead."""
+
+
+def is_count(value, low: int = 0, high: int | None = None) -> bool:
+    """`value` is a whole number in [low, high]: an int or a numpy integer, not a bool (True is not a count)."""
+    return (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
+            and (high is None or value <= high))
 
 
 def expect(value, cls, call: str, what: str, hint: str = "") -> None:

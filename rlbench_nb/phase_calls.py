@@ -23,7 +23,7 @@ from .cluster.base import Pending, WorkerGroup, finish_all
 from .cluster.workers import Workers
 from .data.batch import Batch, minibatch_major
 from .determinism import sample_seeds
-from .errors import UsageError, expect
+from .errors import UsageError, expect, is_count
 from .metrics import compute
 from .prompts import PromptCodec, generate_inputs, reward_inputs
 from .roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker, RewardWorker
@@ -250,8 +250,7 @@ def start_forwards(workers: Workers, batch: Batch, *, logprobs: bool, reference:
 def greedy(cfg, max_new_tokens: int | None, positions: int | None):
     """An evaluation's sampling: one greedy response per prompt, up to `max_new_tokens` (None: rollout's), which
     after prompts of data.max_prompt_len tokens must fit in the model's `positions` where they are known."""
-    if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
-                                       or max_new_tokens < 1):
+    if max_new_tokens is not None and not is_count(max_new_tokens, 1):
         raise UsageError(f"max_new_tokens={max_new_tokens!r}: a whole number of tokens, 1 or more (None: "
                          f"rollout.max_new_tokens, {cfg.rollout.max_new_tokens})")
     prompt_len = cfg.data.max_prompt_len

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .cluster.errors import WorkerError
-from .errors import BackgroundRunError, SessionStateError, UsageError
+from .errors import BackgroundRunError, SessionStateError, UsageError, is_count
 
 if TYPE_CHECKING:
     from .phase_calls import StartedRollout
@@ -59,12 +59,12 @@ class RunControl:
 
 def check_run_args(cfg, async_rollout: bool, max_staleness, on_failure: str, steps=None) -> None:
     """`Session.run`'s arguments, refused before anything runs."""
-    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 0):
+    if steps is not None and not is_count(steps):
         raise UsageError(f"steps={steps!r}: a whole number of steps to take past this one, 0 or more (None: "
                          f"run.steps, {cfg.run.steps})")
     if on_failure not in ("raise", "restore"):
         raise UsageError(f"on_failure={on_failure!r}: use 'raise' or 'restore'")
-    if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
+    if not is_count(max_staleness):
         raise UsageError(f"max_staleness={max_staleness!r}: a whole number of steps, 0 or more (0: synchronous)")
     if async_rollout and cfg.algo.rollout_is != "off":
         raise UsageError(f"async_rollout with algo.rollout_is={cfg.algo.rollout_is}: an async step's PPO ratio is "

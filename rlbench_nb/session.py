@@ -206,12 +206,12 @@ class Session:
             return self._submit_rollout(rows)
 
     def _submit_rollout(self, rows: list[dict] | None) -> StartedRollout:
+        rows = rows if rows is None else self.prompts.given(rows, "sess.rollout(rows)")  # before any worker runs
         self.workers.catch_up(self.step_count)  # the last push failed after its update: push first
         if rows is None:
             draw = ("train", self.progress.sampler.state_dict())  # the data position: one draw's, whatever came before
             rows = [self.train_data.rows[i] for i in self.progress.sampler.next_indices()]
         else:
-            rows = self.prompts.given(rows, "sess.rollout(rows)")
             draw = ("rows", self.step_count, [r["prompt"] for r in rows])  # what encode reads
         batch = self.prompts.encode(rows, self.cfg.rollout.n, tag=f"s{self.step_count}")
         return phase_calls.start_rollout(self.workers, batch, self.cfg, self._env_cls, draw)

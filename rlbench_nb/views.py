@@ -8,7 +8,7 @@ from html import escape
 from typing import TYPE_CHECKING
 
 from .data.batch import Batch
-from .errors import UsageError
+from .errors import UsageError, is_count
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -20,8 +20,9 @@ def dashboard(self: Session, max_points: int = 500):
     """Live widget: reward, accuracy, length, KL, entropy, losses, clipping, grad norm, throughput,
     memory, and a phase timeline; Pause / Resume / Stop buttons for background runs."""
     from .widgets import Dashboard
-    if not isinstance(max_points, int) or isinstance(max_points, bool) or max_points < 2:
-        raise UsageError(f"max_points={max_points!r}: how many points each curve keeps, 2 or more (default 500)")
+    if max_points is not None and not is_count(max_points, 2):
+        raise UsageError(f"max_points={max_points!r}: how many points each curve keeps, 2 or more (default 500; "
+                         "None: all)")
     return Dashboard(self, max_points=max_points)
 
 

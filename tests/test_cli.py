@@ -39,6 +39,9 @@ def test_an_unknown_command_or_port_is_one_line_and_exit_2(capsys):
     assert out.out == "" and out.err.strip() == ("rlbench-nb: unknown command 'trian' (did you mean 'train'?); the "
                                                  "commands: train, export, report, weights, kernel, data, doctor, "
                                                  "serve, up, down (rlbench-nb --help shows each)")
+    with pytest.raises(SystemExit):  # argparse: exit 2, before a session starts
+        main(["serve", "configs/arith_grpo.yaml", "--port", "99999999"])
+    assert "'99999999' is not a TCP port: 1-65535, or 0 for a free one" in capsys.readouterr().err
     for port in (99999999, -1, "8000"):
         with pytest.raises(UsageError, match=rf"port={port!r}: a TCP port, 1-65535 \(0: a free one\)"):
             TinkerServer(None, port=port)

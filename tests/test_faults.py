@@ -299,6 +299,11 @@ def test_a_checkpoint_name_means_this_runs_even_beside_a_folder_of_that_name(tmp
     assert locate(run, None) == run  # the run's latest
     assert locate(run, tmp_path / "one") == tmp_path / "one"  # a path stays a path
     assert locate(run, "./one").resolve() == tmp_path / "one"
+    (run / "checkpoints" / "two").mkdir()
+    assert locate(run, Path("two")) == run / "checkpoints" / "two"  # a one-part Path with no such folder here
+    assert locate(run, "latest") == locate(run, Path("latest")) == run
+    with pytest.raises(rl.CheckpointError, match=r"no checkpoint 'three'.*this run's checkpoints: none yet"):
+        locate(run, "three")  # "one" and "two" hold no COMPLETE marker: no checkpoint of the run is listed
 
 
 def test_a_torn_metrics_line_does_not_swallow_the_next_row(small_cfg, tmp_path):

@@ -171,8 +171,11 @@ def given_rows(rows, prompt_key: str, max_prompt_len: int, count_tokens: Callabl
                            "run's own prompts")
     good, bad = [], []
     for i, row in enumerate(rows):
-        key = "prompt" if isinstance(row, dict) and "prompt" in row and prompt_key not in row else prompt_key
+        # "prompt" is what the phases read: a loaded row holds it beside prompt_key, and an edited one changed it
+        key = "prompt" if isinstance(row, dict) and "prompt" in row else prompt_key
         checked = _check_row(row, key, max_prompt_len, count_tokens, max_chars_per_token)
+        if isinstance(checked, str) and key != "prompt" and key not in row:
+            checked = f"missing field '{prompt_key}' or 'prompt' (fields: {sorted(row)[:6]})"
         if isinstance(checked, str):  # a ReservedField too: its text says what to rename
             bad.append(f"rows[{i}]: {checked}")
         else:

@@ -15,7 +15,7 @@ import secrets
 import threading
 import time
 
-from ..errors import UsageError
+from ..errors import UsageError, is_count
 from .backend import TinkerBackend
 from .futures import Futures
 
@@ -30,7 +30,7 @@ class TinkerServer:
         if api_key is not None and not api_key.startswith("tml-"):
             raise ValueError("the tinker SDK only sends keys that start with 'tml-': pass api_key='tml-...' or none "
                              "(one is generated)")
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        if not is_count(port, 0, 65535):
             raise UsageError(f"port={port!r}: a TCP port, 1-65535 (0: a free one)")  # uvicorn wraps 99999999 to 57599
         self.api_key = api_key or f"tml-{secrets.token_urlsafe(24)}"
         self.backend = TinkerBackend(sess)

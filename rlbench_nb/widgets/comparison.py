@@ -23,6 +23,24 @@ def _value(run, metric: str, last: int) -> float | None:
     return sum(ys) / len(ys)
 
 
+def _check_asked(runs: list, asked: list[str], shown: list[str]) -> None:
+    """Metrics asked for by name: one that no run has but that is close to one they have is a typo, said with
+    the nearest; none shown at all is said with what the runs have. (A real metric with no value yet, e.g.
+    eval/accuracy of forks that never evaluated, is left out, as the defaults are.)"""
+    import difflib
+
+    from ..errors import UsageError
+    known = sorted({k for r in runs for row in [*getattr(r, "history", ()), *getattr(r, "evals", ()),
+                                              getattr(r, "row", {})] for k in row} - {"step"})
+    have = f"they have: {', '.join(known[:30])}{' ...' if len(known) > 30 else ''}"
+    for m in asked:
+        near = [] if m in known else difflib.get_close_matches(m, known, n=1)
+        if near and m not in shown:
+            raise UsageError(f"no run to compare has metric '{m}' (did you mean '{near[0]}'?); {have}")
+    if not shown:
+        raise UsageError(f"no run to compare has any of {asked}; {have}")
+
+
 class Comparison:
     def __init__(self, runs: list, metrics: list[str] | None = None, last: int = 5):
         from ..errors import UsageError
@@ -36,16 +54,10 @@ class Comparison:
         names = [r.name for r in runs]
         if len(set(names)) != len(names):
             raise UsageError(f"runs to compare need distinct names, got {names}")
-        wanted = metrics or DEFAULT_METRICS
+        wanted = [metrics] if isinstance(metrics, str) else metrics or DEFAULT_METRICS
         self.metrics = [m for m in wanted if any(r.curve(m)[1] for r in runs)]
-        missing = [m for m in metrics or () if m not in self.metrics]  # asked for by name: a typo is said
-        if missing:
-            import difflib
-            known = sorted({k for r in runs for row in [*getattr(r, "history", ()), *getattr(r, "evals", ()),
-                                                          getattr(r, "row", {})] for k in row} - {"step"})
-            near = difflib.get_close_matches(missing[0], known, n=1)
-            raise UsageError(f"no run to compare has metric '{missing[0]}'" + (f" (did you mean '{near[0]}'?)" if near
-                             else "") + f"; they have: {', '.join(known[:30])}{' ...' if len(known) > 30 else ''}")
+        if metrics:
+            _check_asked(runs, wanted, self.metrics)
 
     def table(self) -> list[dict]:
         """One row per metric: each run's value, and each later run's difference from the first."""

@@ -114,7 +114,10 @@ def test_rows_given_to_a_phase_are_checked_strictly_and_named_by_index():
     good = {"prompt": "1+1=", "answer": "2"}
     assert given_rows([good, {"prompt": "2+2="}], "prompt", 10, count_chars, "f(rows)") == [good, {"prompt": "2+2="}]
     assert given_rows(({"q": "1+1="},), "q", 10, count_chars, "f(rows)") == [{"q": "1+1=", "prompt": "1+1="}]
-    assert given_rows([{"prompt": "1+1="}], "q", 10, count_chars, "f(rows)") == [{"prompt": "1+1="}]  # a row as loaded
+    assert given_rows([{"prompt": "1+1="}], "q", 10, count_chars, "f(rows)") == [{"prompt": "1+1="}]
+    # a loaded row holds both; its prompt edited in a cell is the one the phases read
+    edited = {"q": "1+1=", "prompt": "Think. 1+1="}
+    assert given_rows([edited], "q", 20, count_chars, "f(rows)") == [edited]
     cases = {
         "takes a list of rows, each a dict with a 'prompt' string.*got dict": {"prompt": "1+1="},
         "takes a list of rows.*got str": "1+1=",
@@ -131,5 +134,5 @@ def test_rows_given_to_a_phase_are_checked_strictly_and_named_by_index():
     for pattern, rows in cases.items():
         with pytest.raises(DatasetError, match=r"^f\(rows\)[ :].*" + pattern):
             given_rows(rows, "prompt", 10, count_chars, "f(rows)")
-    with pytest.raises(DatasetError, match=r"rows\[0\]: missing field 'q'.*a dict with a 'q' string"):
+    with pytest.raises(DatasetError, match=r"rows\[0\]: missing field 'q' or 'prompt'.*a dict with a 'q' string"):
         given_rows([{"question": "1+1="}], "q", 10, count_chars, "f(rows)")

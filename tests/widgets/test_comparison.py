@@ -33,6 +33,11 @@ def test_a_metric_asked_for_by_name_that_no_run_has_is_said_with_the_nearest():
     with pytest.raises(UsageError, match=r"no run to compare has metric 'reward/mena' \(did you mean 'reward/mean'\?\)"
                                          r"; they have: reward/mean$"):
         Comparison([a, Run("b", [{"step": 1, "reward/mean": 0.2}])], metrics=["reward/mean", "reward/mena"])
+    # one name as a string; a real metric with no value yet (no evaluation) is left out, as the defaults are
+    assert [r["metric"] for r in Comparison([a], metrics="reward/mean").table()] == ["reward/mean"]
+    assert Comparison([a], metrics=["reward/mean", "eval/accuracy"]).metrics == ["reward/mean"]
+    with pytest.raises(UsageError, match=r"no run to compare has any of \['kl/ref'\]; they have: reward/mean$"):
+        Comparison([a], metrics=["kl/ref"])
     with pytest.raises(UsageError, match="runs to compare need distinct names"):
         Comparison([a, a])
     with pytest.raises(UsageError, match="sess.compare takes branches .* got str"):
