@@ -344,9 +344,8 @@ class Session:
         environment (env.fn), greedy episodes scored by it; `eval/tool_use`: the share that called a tool."""
         with self._phase("evaluate"):
             rows = self.test_data.rows if rows is None else self.prompts.given(rows, "sess.evaluate(rows)")
-            batch, result = phase_calls.evaluate(self.workers, self.prompts, rows,
-                                                 phase_calls.greedy(self.cfg, max_new_tokens, self.task.max_positions),
-                                                 self._env_cls)
+            params = phase_calls.greedy(self.cfg, max_new_tokens, self.task.max_positions)
+            batch, result = phase_calls.evaluate(self.workers, self.prompts, rows, params, self._env_cls)
             if batch is not None:
                 self.rundir.write_rollouts(batch, self.step_count, "eval_step")
             result = {"step": self.step_count, **result}

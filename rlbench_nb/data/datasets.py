@@ -174,7 +174,7 @@ def given_rows(rows, prompt_key: str, max_prompt_len: int, count_tokens: Callabl
         # "prompt" is what the phases read: a loaded row holds it beside prompt_key, and an edited one changed it
         key = "prompt" if isinstance(row, dict) and "prompt" in row else prompt_key
         checked = _check_row(row, key, max_prompt_len, count_tokens, max_chars_per_token)
-        if isinstance(checked, str) and key != "prompt" and key not in row:
+        if isinstance(row, dict) and key not in row and key != "prompt":  # neither name: both are taken here
             checked = f"missing field '{prompt_key}' or 'prompt' (fields: {sorted(row)[:6]})"
         if isinstance(checked, str):  # a ReservedField too: its text says what to rename
             bad.append(f"rows[{i}]: {checked}")

@@ -136,3 +136,6 @@ def test_rows_given_to_a_phase_are_checked_strictly_and_named_by_index():
             given_rows(rows, "prompt", 10, count_chars, "f(rows)")
     with pytest.raises(DatasetError, match=r"rows\[0\]: missing field 'q' or 'prompt'.*a dict with a 'q' string"):
         given_rows([{"question": "1+1="}], "q", 10, count_chars, "f(rows)")
+    for row in ("1+1=", 3):  # not a dict, under a prompt_key of the config's own
+        with pytest.raises(DatasetError, match=rf"rows\[0\]: expected a dict .*, got {type(row).__name__}"):
+            given_rows([row], "q", 10, count_chars, "f(rows)")
